@@ -1,0 +1,53 @@
+"""tfremat: train Keras models larger than accelerator memory.
+
+A planner chooses what to recompute (and what to offload to host memory) under a
+memory budget; the rewriter applies the plan to a Keras model that shares the
+original's weights.
+
+Parts that need TensorFlow load on first use, so `tfremat.simulate`, the
+planners and `PlanGraph` work without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tfremat.errors import (
+    BackendError,
+    BudgetError,
+    PlanMismatchError,
+    PlanValidationError,
+    TfrematError,
+    UnsupportedModelError,
+)
+from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
+from tfremat.planners.plan import Offload, Plan, Segment
+from tfremat.simulate import Estimate, simulate
+
+__version__ = "0.1.0"
+
+# Public names living in modules that import TensorFlow: loaded on first access.
+_LAZY = {
+    "extract": "tfremat.graph.extract",
+    "measure_peak": "tfremat.memory",
+    "MeasuredPeak": "tfremat.memory",
+    "measure_step": "tfremat.memory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfremat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "BackendError", "BudgetError", "Estimate", "Node", "Offload", "Plan",
+    "PlanGraph", "PlanMismatchError", "PlanValidationError", "Segment",
+    "TensorInfo", "TfrematError", "UnsupportedModelError", "simulate",
+    *_LAZY,
+]

@@ -1,0 +1,38 @@
+"""Checks that TensorFlow is installed and that Keras runs on it."""
+
+from __future__ import annotations
+
+import os
+
+from tfremat.errors import BackendError
+
+_INSTALL_HINT = (
+    "Install TensorFlow with one of: pip install 'tfremat[cpu]' (tensorflow-cpu), "
+    "pip install 'tfremat[gpu]' (tensorflow[and-cuda]) or pip install 'tfremat[tf]'."
+)
+
+
+def require_tensorflow() -> None:
+    """Raises `BackendError` unless TensorFlow imports and Keras uses it.
+
+    Called by every part of tfremat that touches TensorFlow; the simulator and
+    the planners run without it.
+    """
+    backend = os.environ.get("KERAS_BACKEND")
+    if backend and backend != "tensorflow":
+        raise BackendError(
+            f"tfremat rewrites TensorFlow training steps, but KERAS_BACKEND={backend!r}. "
+            "Set KERAS_BACKEND=tensorflow before importing Keras "
+            "(or set \"backend\": \"tensorflow\" in ~/.keras/keras.json).")
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError as e:
+        raise BackendError(f"tfremat needs TensorFlow, which is not importable ({e}). "
+                           + _INSTALL_HINT) from e
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise BackendError(
+            f"tfremat rewrites TensorFlow training steps, but Keras runs on the "
+            f"{keras.backend.backend()!r} backend. Set KERAS_BACKEND=tensorflow before "
+            "importing Keras (or set \"backend\": \"tensorflow\" in ~/.keras/keras.json).")

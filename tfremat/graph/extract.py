@@ -1,0 +1,338 @@
+"""From a traced training step to a PlanGraph.
+
+Every graph operation of the step gets an owner: the layer call that made it
+(forward), the layer call whose gradient it computes (backward, by the
+`gradient_tape/<forward scope>` naming of TensorFlow's gradient ops), the loss, or
+the optimizer update. From owners and data flow follow, per call: the forward
+tensors its backward keeps, transient workspaces, FLOPs, and edges.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat.backend import require_tensorflow
+from tfremat.graph import costs
+from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
+from tfremat.graph.trace import TracedStep, trace
+
+LOSS = "<loss>"
+UPDATE = "<update>"
+
+_Root = tuple[int, int]  # (op index, output index) of the buffer's first tensor
+
+
+def extract(model: keras.Model, *, batch_size: int | None = None,
+            sample: Any = None) -> PlanGraph:
+    """Traces a training step of `model` and builds its PlanGraph.
+
+    Nested functional models are flattened (their layers become nodes with ids
+    `"inner_model/layer"`); a subclassed model's nodes are its direct sublayers.
+
+    Args:
+        model: A built Keras model. When compiled, its loss and optimizer are
+            used; otherwise a mean-square loss with SGD.
+        batch_size: Batch size, when the input shapes come from `model.inputs`.
+        sample: One training batch `(x, y)` (or `x`), or a `tf.data.Dataset`
+            of batches; its shapes and dtypes define the step.
+
+    Returns:
+        The `PlanGraph` of one training step.
+
+    Raises:
+        BackendError: TensorFlow is missing or Keras uses another backend.
+        UnsupportedModelError: the model is unbuilt or cannot be traced.
+
+    Example:
+
+    >>> graph = tfremat.extract(keras.applications.ResNet50(weights=None),
+    ...                         batch_size=16)
+    >>> tfremat.simulate(graph).peak_mb
+    """
+    require_tensorflow()
+    traced = trace(model, batch_size=batch_size, sample=sample)
+    return build_plan_graph(model, traced)
+
+
+class _Dataflow:
+    """Buffers (alias roots), sizes and readers of a traced step's tensors."""
+
+    def __init__(self, ops: list[tf.Operation]) -> None:
+        self.ops = ops
+        self.index = {op.name: i for i, op in enumerate(ops)}
+        self.root: dict[_Root, _Root] = {}
+        self.size: dict[_Root, int] = {}
+        self.readers: dict[_Root, list[int]] = collections.defaultdict(list)
+        for i, op in enumerate(ops):
+            for j, out in enumerate(op.outputs):
+                if self._is_view(op, j):
+                    src = op.inputs[min(j, len(op.inputs) - 1)]
+                    self.root[(i, j)] = self.root_of(src)
+                else:
+                    self.root[(i, j)] = (i, j)
+                    free = op.type in costs.FREE_OPS or op.type == "Placeholder"
+                    self.size[(i, j)] = 0 if free else costs.tensor_bytes(out)
+            for t in op.inputs:
+                self.readers[self.root_of(t)].append(i)
+
+    def _is_view(self, op: tf.Operation, j: int) -> bool:
+        """Whether output j of `op` lives in an input's buffer.
+
+        Besides reshapes and identities, a BiasAdd whose input has no other
+        reader: Grappler fuses Conv2D/MatMul + BiasAdd into one kernel writing
+        one buffer.
+        """
+        if op.type in costs.ALIAS_OPS and op.inputs:
+            return True
+        if op.type == "BiasAdd":
+            src = self.root_of(op.inputs[0])
+            return self.ops[src[0]].type in costs.FUSED_WITH_BIAS and \
+                len(op.inputs[0].consumers()) == 1
+        return False
+
+    def root_of(self, t: tf.Tensor) -> _Root:
+        return self.root[(self.index[t.op.name], t.value_index)]
+
+
+def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
+    n = len(traced.ops)
+    owner: list[str | None] = [None] * n
+    for site_id, (start, end) in traced.ranges.items():
+        for i in range(start, min(end, traced.forward_end)):
+            owner[i] = site_id
+    for i in range(traced.forward_end, traced.backward_start):
+        owner[i] = LOSS
+    for i in range(traced.backward_end, n):
+        owner[i] = UPDATE
+    # Backward ops: "gradient_tape/<forward op or scope>/..." names the forward
+    # op whose gradient they compute.
+    scope_owner: dict[str, str | None] = {}
+    for i in range(traced.backward_start):
+        if owner[i] is None:
+            continue
+        parts = traced.ops[i].name.split("/")
+        for k in range(1, len(parts) + 1):
+            scope = "/".join(parts[:k])
+            prev = scope_owner.get(scope, owner[i])
+            scope_owner[scope] = owner[i] if prev == owner[i] else None
+    for i in range(traced.backward_start, traced.backward_end):
+        name = traced.ops[i].name
+        if not name.startswith("gradient_tape/"):
+            continue
+        parts = name[len("gradient_tape/"):].split("/")
+        for k in range(len(parts), 0, -1):
+            found = scope_owner.get("/".join(parts[:k]))
+            if found is not None:
+                owner[i] = found
+                break
+    # Unattributed backward ops (AddN of fan-out gradients, ...) belong to the
+    # next attributed one: the gradient they prepare is consumed there.
+    following: str = LOSS
+    for i in range(traced.backward_end - 1, traced.backward_start - 1, -1):
+        if owner[i] is None:
+            owner[i] = following
+        else:
+            following = owner[i]
+    return owner
+
+
+def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
+                         is_temporary: Any) -> int:
+    """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
+    each alive from its op to its last reader among `positions` (or the end)."""
+    if not positions:
+        return 0
+    local = {p: k for k, p in enumerate(positions)}
+    delta = [0] * (len(positions) + 1)
+    for p in positions:
+        for j in range(len(flow.ops[p].outputs)):
+            r = flow.root[(p, j)]
+            if r != (p, j) or not flow.size.get(r) or not is_temporary(r):
+                continue
+            last = max((local[c] for c in flow.readers[r] if c in local), default=local[p])
+            delta[local[p]] += flow.size[r]
+            delta[last + 1] -= flow.size[r]
+    peak = live = 0
+    for d in delta[:-1]:
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
+def build_plan_graph(model: keras.Model, traced: TracedStep) -> PlanGraph:
+    """Builds the PlanGraph of a traced step (see `extract`)."""
+    ops = traced.ops
+    flow = _Dataflow(ops)
+    owner = _owners(traced, flow)
+    bwd = range(traced.backward_start, traced.backward_end)
+
+    out_ref: dict[_Root, str] = {}  # buffer -> "site:k" of the call output it is
+    for site_id, tensors in traced.call_outputs.items():
+        for k, t in enumerate(tensors):
+            out_ref.setdefault(flow.root_of(t), f"{site_id}:{k}")
+
+    x_spec, y_spec = traced.input_specs
+    placeholders = [i for i, op in enumerate(ops[:traced.backward_start])
+                    if op.type == "Placeholder" and op.outputs[0].dtype != tf.resource]
+    x_flat = tf.nest.flatten(x_spec)
+    input_sites = [s for s in traced.sites if s.is_input]
+    if input_sites:
+        for site, i in zip(input_sites, placeholders):
+            out_ref[(i, 0)] = f"{site.id}:0"
+    else:
+        input_sites = []
+        for k, i in enumerate(placeholders[:len(x_flat)]):
+            out_ref[(i, 0)] = f"input_{k}:0"
+
+    backward_reads: dict[str, list[str]] = collections.defaultdict(list)
+    internal_saved: dict[str, int] = collections.Counter()
+    for r, nbytes in flow.size.items():
+        v = owner[r[0]]
+        if v in (None, LOSS, UPDATE) or r[0] >= traced.backward_start:
+            continue
+        bwd_readers = {owner[c] for c in flow.readers[r] if c in bwd}
+        bwd_readers -= {None, LOSS, UPDATE}
+        if not bwd_readers:
+            continue
+        ref = out_ref.get(r)
+        if ref is None:
+            internal_saved[v] += nbytes
+        else:
+            for w in bwd_readers:
+                backward_reads[w].append(ref)
+
+    positions: dict[str | None, list[int]] = collections.defaultdict(list)
+    for i, o in enumerate(owner):
+        positions[(o, i < traced.forward_end or i >= traced.backward_end)
+                  if o not in (LOSS, UPDATE) else o].append(i)
+
+    nodes: list[Node] = []
+    params_seen: set[str] = set()
+    site_outputs = {}
+    for site in traced.sites:
+        if site.is_input:
+            continue
+        site_outputs[site.id] = traced.call_outputs[site.id]
+
+    # Input nodes.
+    if input_sites:
+        for site, spec in zip(input_sites, x_flat):
+            nodes.append(Node(site.id, site.layer_key, "InputLayer", [],
+                              [TensorInfo.of(spec.shape, spec.dtype.name)]))
+    else:
+        for k, spec in enumerate(x_flat):
+            nodes.append(Node(f"input_{k}", f"input_{k}", "InputLayer", [],
+                              [TensorInfo.of(spec.shape, spec.dtype.name)]))
+
+    by_id = {n.id: n for n in nodes}
+    for site in traced.sites:
+        if site.is_input:
+            continue
+        fwd_pos = positions[(site.id, True)]
+        bwd_pos = positions[(site.id, False)]
+        outs = site_outputs[site.id]
+        out_roots = [flow.root_of(t) for t in outs]
+        fwd_set = set(fwd_pos)
+        if site.node is not None:
+            inputs = list(site.inputs)
+        else:
+            inputs = _dynamic_inputs(site.id, fwd_pos, flow, out_ref)
+        aliases_input = [r[0] not in fwd_set and r in out_ref and out_ref[r] != f"{site.id}:{k}"
+                         for k, r in enumerate(out_roots)]
+        outputs = [TensorInfo.of(t.shape.as_list(), t.dtype.name) for t in outs]
+        saved_roots = {r for r in flow.size if r[0] in fwd_set and any(
+            c in bwd for c in flow.readers[r])}
+        forward_ws = _peak_of_temporaries(
+            fwd_pos, flow, lambda r: r not in out_roots and r not in saved_roots)
+        backward_ws = _peak_of_temporaries(
+            bwd_pos, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]))
+        weights = getattr(site.operation, "trainable_weights", [])
+        param_bytes = 0
+        if site.layer_key not in params_seen:
+            params_seen.add(site.layer_key)
+            param_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
+                              for w in weights)
+        root_op = ops[out_roots[0][0]] if len(outs) == 1 else None
+        inplace = bool(
+            root_op is not None and root_op.type in costs.ELEMENTWISE_OPS
+            and out_roots[0][0] in fwd_set and inputs
+            and outputs[0].bytes == by_id[inputs[0].rsplit(":", 1)[0]].outputs[
+                int(inputs[0].rsplit(":", 1)[1])].bytes)
+        node = Node(
+            id=site.id, layer=site.layer_key, class_name=site.class_name,
+            inputs=inputs, outputs=outputs,
+            backward_reads=sorted(set(backward_reads.get(site.id, []))),
+            internal_saved_bytes=int(internal_saved.get(site.id, 0)),
+            forward_workspace_bytes=forward_ws, backward_workspace_bytes=backward_ws,
+            param_bytes=param_bytes,
+            flops_forward=sum(costs.op_flops(ops[i]) for i in fwd_pos),
+            flops_backward=sum(costs.op_flops(ops[i]) for i in bwd_pos),
+            inplace=inplace,
+            alias_inputs=[_alias_position(r, inputs, out_ref) if a else None
+                          for r, a in zip(out_roots, aliases_input)],
+        )
+        nodes.append(node)
+        by_id[node.id] = node
+
+    loss_pos = positions[LOSS]
+    update_pos = positions[UPDATE]
+    loss_ws = _peak_of_temporaries(
+        loss_pos, flow, lambda r: all(owner[c] == LOSS for c in flow.readers[r]))
+    update_ws = _peak_of_temporaries(update_pos, flow, lambda r: True)
+    output_refs = traced.output_refs or _dynamic_outputs(owner, flow, out_ref)
+
+    def var_bytes(variables: list) -> int:
+        return int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+                       for v in variables))
+
+    optimizer = getattr(model, "optimizer", None)
+    persistent = {
+        "weights": var_bytes(model.trainable_weights),
+        "other": var_bytes(model.non_trainable_weights),
+        "optimizer": var_bytes(optimizer.variables) if optimizer is not None
+        and model.compiled else 0,
+        "batch": int(sum(costs.tensor_bytes(ops[i].outputs[0]) for i in placeholders)),
+    }
+    return PlanGraph(
+        nodes=nodes, persistent_bytes=persistent,
+        update_workspace_bytes=update_ws, loss_workspace_bytes=loss_ws,
+        outputs=output_refs, name=model.name,
+        metadata={
+            "batch_shape": [list(s.shape) for s in x_flat],
+            "trace_seconds": round(traced.seconds, 3),
+            "step_ops": len(ops),
+            "subclassed": not input_sites,
+        })
+
+
+def _alias_position(root: _Root, inputs: list[str], out_ref: dict[_Root, str]) -> int | None:
+    ref = out_ref.get(root)
+    return inputs.index(ref) if ref in inputs else None
+
+
+def _dynamic_inputs(site_id: str, fwd_pos: list[int], flow: _Dataflow,
+                    out_ref: dict[_Root, str]) -> list[str]:
+    """Edges of a subclassed model's call: other calls' outputs its ops read."""
+    own = f"{site_id}:"
+    refs: list[str] = []
+    for i in fwd_pos:
+        for t in flow.ops[i].inputs:
+            ref = out_ref.get(flow.root_of(t))
+            if ref is not None and not ref.startswith(own) and ref not in refs:
+                refs.append(ref)
+    return refs
+
+
+def _dynamic_outputs(owner: list[str | None], flow: _Dataflow,
+                     out_ref: dict[_Root, str]) -> list[str]:
+    """Model outputs of a subclassed model: call outputs the loss reads."""
+    outs = []
+    for r, ref in out_ref.items():
+        if any(owner[c] == LOSS for c in flow.readers[r]) and ref not in outs:
+            outs.append(ref)
+    return outs

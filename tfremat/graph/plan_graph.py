@@ -1,0 +1,328 @@
+"""The planning graph: one node per Keras layer call, with memory and cost facts.
+
+This module imports neither TensorFlow nor Keras, so planners, the simulator and
+their tests can build and read graphs without a deep learning framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Iterable, Iterator
+
+FORMAT_VERSION = 1
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2,
+    "uint32": 4, "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes of one element of `dtype` (a NumPy/TensorFlow dtype name)."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"Unknown dtype {dtype!r}.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One output tensor of a node.
+
+    Attributes:
+        shape: Static shape, batch dimension included.
+        dtype: dtype name, e.g. `"float32"`.
+        bytes: Size in bytes.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+    @classmethod
+    def of(cls, shape: Iterable[int], dtype: str) -> "TensorInfo":
+        shape = tuple(int(d) for d in shape)
+        size = 1
+        for d in shape:
+            size *= d
+        return cls(shape, dtype, size * dtype_size(dtype))
+
+    @property
+    def differentiable(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat", "complex"))
+
+
+@dataclasses.dataclass
+class Node:
+    """One call of a Keras layer (or bare `keras.ops` operation).
+
+    Attributes:
+        id: Stable id: the layer name, `name@k` for the k-th call (k from 0) of a
+            layer called more than once, `outer/inner` inside a flattened nested
+            model.
+        layer: Name of the called layer.
+        class_name: Class of the layer, e.g. `"Conv2D"`.
+        inputs: Tensor references `"node_id:index"` this call consumes, in order.
+        outputs: The call's output tensors.
+        backward_reads: Tensor references (own outputs or inputs) that the
+            backward pass of this call reads, so they stay alive until it runs.
+        internal_saved_bytes: Bytes of tensors made inside the call, other than its
+            outputs, that its backward pass keeps (e.g. BatchNorm's normalised value).
+        forward_workspace_bytes: Peak transient memory of the call's forward ops
+            beyond its outputs and saved tensors.
+        backward_workspace_bytes: Peak transient memory of its backward ops beyond
+            the input gradients it produces.
+        param_bytes: Bytes of the trainable weights whose gradient this call
+            produces (0 for later calls of a shared layer).
+        flops_forward: Floating point operations of the forward pass.
+        flops_backward: Floating point operations of the backward pass.
+        seconds_forward: Measured forward time, when measured.
+        seconds_backward: Measured backward time, when measured.
+        inplace: Whether the call is elementwise, so its output may reuse the
+            buffer of its first input (Chen et al. Sec. 3).
+        alias_inputs: For each output, the position in `inputs` of the input
+            whose buffer it is (a reshape or identity), or None for a new buffer.
+            Empty means no output aliases an input.
+    """
+
+    id: str
+    layer: str
+    class_name: str
+    inputs: list[str]
+    outputs: list[TensorInfo]
+    backward_reads: list[str] = dataclasses.field(default_factory=list)
+    internal_saved_bytes: int = 0
+    forward_workspace_bytes: int = 0
+    backward_workspace_bytes: int = 0
+    param_bytes: int = 0
+    flops_forward: float = 0.0
+    flops_backward: float = 0.0
+    seconds_forward: float | None = None
+    seconds_backward: float | None = None
+    inplace: bool = False
+    alias_inputs: list[int | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_input(self) -> bool:
+        return self.class_name == "InputLayer"
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.bytes for t in self.outputs)
+
+    def output_ref(self, index: int = 0) -> str:
+        return f"{self.id}:{index}"
+
+    @property
+    def forward_cost(self) -> float:
+        """Seconds when measured, FLOPs otherwise."""
+        if self.seconds_forward is not None:
+            return self.seconds_forward
+        return self.flops_forward
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes this call's backward keeps of its own outputs plus internal tensors."""
+        own = {self.output_ref(i) for i in range(len(self.outputs))}
+        kept = sum(
+            self.outputs[int(r.rsplit(":", 1)[1])].bytes
+            for r in set(self.backward_reads)
+            if r in own
+        )
+        return kept + self.internal_saved_bytes
+
+
+def structure_fingerprint(calls: Iterable[tuple[str, str, list[str]]]) -> str:
+    """Hash of `(node id, class name, input refs)` triples, in order."""
+    h = hashlib.sha256()
+    for node_id, class_name, inputs in calls:
+        h.update(repr((node_id, class_name, list(inputs))).encode())
+    return h.hexdigest()[:16]
+
+
+def split_ref(ref: str) -> tuple[str, int]:
+    """Splits `"node_id:index"` into its node id and output index."""
+    node_id, index = ref.rsplit(":", 1)
+    return node_id, int(index)
+
+
+@dataclasses.dataclass
+class PlanGraph:
+    """The graph a planner works on: layer calls of one training step.
+
+    Attributes:
+        nodes: Nodes in a topological order.
+        persistent_bytes: Bytes alive for the whole step, by kind: `"weights"`,
+            `"optimizer"` (slots), `"other"` (non-trainable variables, counters),
+            `"batch"` (the input batch and targets).
+        update_workspace_bytes: Peak transient memory of the optimizer update.
+        loss_workspace_bytes: Peak transient memory of the loss and its gradient.
+        outputs: References of the model outputs (the loss reads them).
+        name: Model name.
+        metadata: Free-form facts (batch size, trace time, device, strategy).
+    """
+
+    nodes: list[Node]
+    persistent_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    update_workspace_bytes: int = 0
+    loss_workspace_bytes: int = 0
+    outputs: list[str] = dataclasses.field(default_factory=list)
+    name: str = "model"
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._index = {n.id: i for i, n in enumerate(self.nodes)}
+        if len(self._index) != len(self.nodes):
+            seen: set[str] = set()
+            dup = next(n.id for n in self.nodes if n.id in seen or seen.add(n.id))
+            raise ValueError(f"Duplicate node id {dup!r} in PlanGraph.")
+        for node in self.nodes:
+            for ref in node.inputs:
+                producer, index = split_ref(ref)
+                if producer not in self._index:
+                    raise ValueError(
+                        f"Node {node.id!r} reads {ref!r} from unknown node."
+                    )
+                if self._index[producer] >= self._index[node.id]:
+                    raise ValueError(
+                        f"Nodes are not in topological order: {node.id!r} reads "
+                        f"{ref!r} produced later."
+                    )
+                if index >= len(self.nodes[self._index[producer]].outputs):
+                    raise ValueError(f"Node {node.id!r} reads missing output {ref!r}.")
+
+    # -- lookups ---------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __contains__(self, node_id: str) -> bool:
+        return node_id in self._index
+
+    def node(self, node_id: str) -> Node:
+        try:
+            return self.nodes[self._index[node_id]]
+        except KeyError:
+            raise KeyError(f"No node {node_id!r} in graph {self.name!r}.") from None
+
+    def index(self, node_id: str) -> int:
+        return self._index[node_id]
+
+    def tensor(self, ref: str) -> TensorInfo:
+        node_id, i = split_ref(ref)
+        return self.node(node_id).outputs[i]
+
+    def predecessors(self, node_id: str) -> list[str]:
+        """Distinct producer ids of a node's inputs, in input order."""
+        return list(dict.fromkeys(split_ref(r)[0] for r in self.node(node_id).inputs))
+
+    def successors(self) -> dict[str, list[str]]:
+        """Map from each node id to the distinct ids of the nodes consuming it."""
+        succ: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for p in self.predecessors(n.id):
+                succ[p].append(n.id)
+        return succ
+
+    def consumers(self) -> dict[str, list[str]]:
+        """Map from each tensor reference to the ids of nodes reading it."""
+        cons: dict[str, list[str]] = {}
+        for n in self.nodes:
+            for i in range(len(n.outputs)):
+                cons[n.output_ref(i)] = []
+        for n in self.nodes:
+            for ref in dict.fromkeys(n.inputs):
+                cons[ref].append(n.id)
+        return cons
+
+    # -- summaries ---------------------------------------------------------
+
+    @property
+    def total_persistent_bytes(self) -> int:
+        return sum(self.persistent_bytes.values())
+
+    @property
+    def total_flops_forward(self) -> float:
+        return sum(n.flops_forward for n in self.nodes)
+
+    @property
+    def total_forward_cost(self) -> float:
+        return sum(n.forward_cost for n in self.nodes)
+
+    def fingerprint(self) -> str:
+        """Hash of the graph's structure: node ids, classes and edges.
+
+        Shapes and costs are left out: a plan stays valid for the same model at
+        another batch size (its estimates do not), and the rewriter can check a
+        plan against a model without tracing it.
+        """
+        return structure_fingerprint((n.id, n.class_name, n.inputs) for n in self.nodes)
+
+    # -- JSON --------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "fingerprint": self.fingerprint(),
+            "persistent_bytes": dict(self.persistent_bytes),
+            "update_workspace_bytes": self.update_workspace_bytes,
+            "loss_workspace_bytes": self.loss_workspace_bytes,
+            "outputs": list(self.outputs),
+            "metadata": self.metadata,
+            "nodes": [
+                {**dataclasses.asdict(n),
+                 "outputs": [[list(t.shape), t.dtype, t.bytes] for t in n.outputs]}
+                for n in self.nodes
+            ],
+        }
+
+    def to_json(self, path: str | None = None, *, indent: int | None = None) -> str:
+        """Serialises the graph to JSON, also writing it to `path` if given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PlanGraph":
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"PlanGraph format version {version!r} is not supported "
+                f"(this tfremat reads version {FORMAT_VERSION})."
+            )
+        nodes = []
+        for nd in data["nodes"]:
+            nd = dict(nd)
+            nd["outputs"] = [TensorInfo(tuple(s), d, b) for s, d, b in nd["outputs"]]
+            nodes.append(Node(**nd))
+        graph = cls(
+            nodes=nodes,
+            persistent_bytes=dict(data.get("persistent_bytes", {})),
+            update_workspace_bytes=data.get("update_workspace_bytes", 0),
+            loss_workspace_bytes=data.get("loss_workspace_bytes", 0),
+            outputs=list(data.get("outputs", [])),
+            name=data.get("name", "model"),
+            metadata=dict(data.get("metadata", {})),
+        )
+        stored = data.get("fingerprint")
+        if stored is not None and stored != graph.fingerprint():
+            raise ValueError("PlanGraph JSON is corrupt: its fingerprint does not match.")
+        return graph
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "PlanGraph":
+        """Reads a graph from a JSON string or a path to a JSON file."""
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,304 @@
+"""Tracing one training step of a Keras model into a TensorFlow graph.
+
+The step is the model's own `train_step` when the model is compiled (forward,
+compiled loss, `tape.gradient`, optimizer update), otherwise a plain step with
+a mean-square loss and SGD. While tracing, each call site's `call` is wrapped to
+record the range of graph operations it creates (Keras name scopes are not
+layer names, see NOTES.md), and `tf.GradientTape.gradient` is wrapped to find
+where the backward pass starts and ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Iterator
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat.errors import UnsupportedModelError
+from tfremat.graph.keras_graph import CallSite, is_subclassed, walk_with_outputs
+
+
+@dataclasses.dataclass
+class TracedStep:
+    """A traced training step and where each layer call sits in it.
+
+    Attributes:
+        ops: Every operation of the step's graph, in creation order.
+        sites: Call sites in execution order.
+        ranges: For each call site id, `(start, end)` indices into `ops`: the
+            operations it made, plus glue made just before it (casts, etc.).
+        call_outputs: For each call site id, the graph tensors it returned.
+        output_refs: References of the model's outputs.
+        forward_end: Index of the first op after the last call (the loss starts).
+        backward_start: Index of the first op of `tape.gradient`.
+        backward_end: Index of the first op after `tape.gradient` (the update).
+        input_specs: Specs of `(x, y)` the step was traced with.
+        seconds: Time the trace took.
+    """
+
+    ops: list[tf.Operation]
+    sites: list[CallSite]
+    ranges: dict[str, tuple[int, int]]
+    call_outputs: dict[str, list[tf.Tensor]]
+    output_refs: list[str]
+    forward_end: int
+    backward_start: int
+    backward_end: int
+    input_specs: Any
+    seconds: float
+
+
+def batch_specs(model: keras.Model, *, batch_size: int | None = None,
+                sample: Any = None) -> tuple[Any, Any]:
+    """Static `(x_spec, y_spec)` of one training batch.
+
+    Args:
+        model: The Keras model.
+        batch_size: Batch size, when shapes come from `model.inputs` or a dataset
+            whose batch dimension is unknown.
+        sample: A batch `(x, y)` (arrays or tensors, nested structures allowed),
+            an `x` alone, or a `tf.data.Dataset` of batches.
+
+    Returns:
+        Nested `tf.TensorSpec`s with a fully known batch dimension; y is None
+        when it must be inferred from the model's outputs.
+    """
+    if isinstance(sample, tf.data.Dataset):
+        spec = sample.element_spec
+        x_spec, y_spec = (spec[0], spec[1]) if isinstance(spec, tuple) and len(spec) >= 2 \
+            else (spec, None)
+        return (_fix_batch(x_spec, batch_size, "the dataset's element_spec"),
+                _fix_batch(y_spec, batch_size, "the dataset's element_spec"))
+    if sample is not None:
+        x, y = (sample[0], sample[1]) if isinstance(sample, tuple) and len(sample) >= 2 \
+            else (sample, None)
+        to_spec = lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(  # noqa: E731
+            a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype))
+        return (tf.nest.map_structure(to_spec, x),
+                None if y is None else tf.nest.map_structure(to_spec, y))
+    if getattr(model, "inputs", None) is None:
+        raise UnsupportedModelError(
+            f"Model {model.name!r} has no known inputs (a subclassed model that was "
+            "never called). Pass sample=(x, y) with one training batch.")
+    if batch_size is None:
+        raise ValueError("Pass batch_size=... or sample=(x, y) to say the batch shape.")
+    x_spec = [tf.TensorSpec((batch_size, *t.shape[1:]), t.dtype) for t in model.inputs]
+    for spec, t in zip(x_spec, model.inputs):
+        if not spec.shape.is_fully_defined():
+            raise UnsupportedModelError(
+                f"Input {t.name!r} has shape {t.shape}: tfremat needs static shapes. "
+                "Pass sample=(x, y) with a real batch.")
+    return (x_spec[0] if len(x_spec) == 1 else x_spec), None
+
+
+def _fix_batch(spec: Any, batch_size: int | None, where: str) -> Any:
+    if spec is None:
+        return None
+
+    def fix(s: tf.TensorSpec) -> tf.TensorSpec:
+        shape = s.shape.as_list()
+        if shape and shape[0] is None:
+            if batch_size is None:
+                raise ValueError(f"The batch size is unknown in {where}: pass batch_size=...")
+            shape[0] = batch_size
+        if any(d is None for d in shape):
+            raise UnsupportedModelError(
+                f"A tensor of shape {s.shape} in {where} has unknown dimensions; "
+                "tfremat needs static shapes.")
+        return tf.TensorSpec(shape, s.dtype)
+
+    return tf.nest.map_structure(fix, spec)
+
+
+def _output_like_targets(model: keras.Model, x_spec: Any) -> Any:
+    out = model.compute_output_spec(
+        tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), x_spec))
+    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, "float32"), out)
+
+
+def _sparse_targets(model: keras.Model, x_spec: Any) -> Any:
+    out = model.compute_output_spec(
+        tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), x_spec))
+    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[:-1], "int32"), out)
+
+
+@contextlib.contextmanager
+def _recording(sites_by_op: dict[int, list[str]], ops_of: dict[int, Any],
+               log: list[tuple[str, int, int, Any]],
+               grad_marks: list[tuple[int, int]]) -> Iterator[None]:
+    """Wraps call sites' `call` and `GradientTape.gradient` while tracing."""
+    counters = {k: 0 for k in sites_by_op}
+    originals = {}
+
+    def op_count() -> int:
+        return len(tf.compat.v1.get_default_graph().get_operations())
+
+    for key, op in ops_of.items():
+        original = op.call
+
+        def wrapped(*args, __key=key, __orig=original, **kwargs):
+            start = op_count()
+            out = __orig(*args, **kwargs)
+            ids = sites_by_op[__key]
+            k = counters[__key]
+            counters[__key] = k + 1
+            site_id = ids[k] if k < len(ids) else None
+            log.append((site_id if site_id is not None else str(__key), start, op_count(), out))
+            return out
+
+        originals[key] = original
+        op.call = wrapped
+    original_gradient = tf.GradientTape.gradient
+
+    def gradient(self, *args, **kwargs):
+        start = op_count()
+        result = original_gradient(self, *args, **kwargs)
+        grad_marks.append((start, op_count()))
+        return result
+
+    tf.GradientTape.gradient = gradient
+    try:
+        yield
+    finally:
+        tf.GradientTape.gradient = original_gradient
+        for key, op in ops_of.items():
+            # Remove the instance attribute so the class's `call` shows through.
+            if "call" in vars(op):
+                del op.call
+
+
+def _default_step(model: keras.Model) -> Any:
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, "float32")))
+                             for o in tf.nest.flatten(out)])
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    return step
+
+
+def step_function(model: keras.Model) -> Any:
+    """The Python training step tfremat traces and measures: `(x, y) -> logs`.
+
+    The model's `train_step` when it is compiled with an optimizer, otherwise a
+    mean-square loss of the outputs with SGD.
+    """
+    if getattr(model, "optimizer", None) is not None and model.compiled:
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        return lambda x, y: model.train_step((x, y))
+    return _default_step(model)
+
+
+def trace(model: keras.Model, *, batch_size: int | None = None,
+          sample: Any = None) -> TracedStep:
+    """Traces one training step of `model` and locates its layer calls.
+
+    Args:
+        model: A built Keras model (functional, Sequential or subclassed).
+        batch_size: Batch size when shapes come from `model.inputs`.
+        sample: One training batch `(x, y)`, or a `tf.data.Dataset`.
+
+    Returns:
+        A `TracedStep`.
+
+    Raises:
+        UnsupportedModelError: the model is not built, or cannot be traced.
+    """
+    if not model.built:
+        raise UnsupportedModelError(
+            f"Model {model.name!r} is not built. Call it on a batch, or build it with "
+            "model.build(input_shape), before planning.")
+    x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
+    subclassed = is_subclassed(model)
+    if subclassed:
+        units = list(model._flatten_layers(include_self=False, recursive=False))
+        if not units:
+            raise UnsupportedModelError(
+                f"Subclassed model {model.name!r} has no sublayers to plan over.")
+        sites_by_op: dict[int, list[str]] = {id(u): [] for u in units}
+        ops_of = {id(u): u for u in units}
+        output_refs: list[str] = []
+        sites: list[CallSite] = []
+    else:
+        sites, output_refs = walk_with_outputs(model)
+        sites_by_op, ops_of = {}, {}
+        for s in sites:
+            if s.is_input:
+                continue
+            sites_by_op.setdefault(id(s.operation), []).append(s.id)
+            ops_of[id(s.operation)] = s.operation
+    step = step_function(model)
+    candidates = [y_spec] if y_spec is not None else [
+        _output_like_targets(model, x_spec), _sparse_targets(model, x_spec)]
+    error: Exception | None = None
+    for y in candidates:
+        log: list[tuple[str, int, int, Any]] = []
+        grad_marks: list[tuple[int, int]] = []
+        started = time.perf_counter()
+        try:
+            with _recording(sites_by_op, ops_of, log, grad_marks):
+                concrete = tf.function(step).get_concrete_function(x_spec, y)
+        except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+            error = e
+            continue
+        seconds = time.perf_counter() - started
+        break
+    else:
+        raise UnsupportedModelError(
+            f"Could not trace a training step of {model.name!r}: {error}. Pass "
+            "sample=(x, y) with a real batch so the targets' shape is known.") from error
+    if not grad_marks:
+        raise UnsupportedModelError(
+            f"The training step of {model.name!r} computes no gradients "
+            "(tf.GradientTape.gradient was never called).")
+    ops = concrete.graph.get_operations()
+    if subclassed:
+        sites, log = _name_dynamic_sites(ops_of, log)
+    ranges, call_outputs = {}, {}
+    previous_end = 0
+    for site_id, start, end, out in log:
+        ranges[site_id] = (min(previous_end, start), end)
+        previous_end = end
+        call_outputs[site_id] = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
+    expected = [s.id for s in sites if not s.is_input]
+    missing = [i for i in expected if i not in ranges]
+    if missing:
+        raise UnsupportedModelError(
+            f"While tracing {model.name!r}, call sites {missing[:5]} did not run; "
+            "tfremat cannot map this model's layer calls to its graph.")
+    grad_start, grad_end = grad_marks[0]
+    return TracedStep(
+        ops=ops, sites=sites, ranges=ranges, call_outputs=call_outputs,
+        output_refs=output_refs, forward_end=previous_end, backward_start=grad_start,
+        backward_end=grad_end, input_specs=(x_spec, y), seconds=seconds)
+
+
+def _name_dynamic_sites(ops_of: dict[int, Any],
+                        log: list[tuple[str, int, int, Any]]
+                        ) -> tuple[list[CallSite], list[tuple[str, int, int, Any]]]:
+    """Call sites of a subclassed model, named from the order calls ran."""
+    calls: dict[str, int] = {}
+    for key, *_ in log:
+        calls[key] = calls.get(key, 0) + 1
+    seen: dict[str, int] = {}
+    sites, named = [], []
+    for key, start, end, out in log:
+        layer = ops_of[int(key)]
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        site_id = layer.name if calls[key] == 1 else f"{layer.name}@{k}"
+        sites.append(CallSite(id=site_id, layer_key=layer.name, operation=layer))
+        named.append((site_id, start, end, out))
+    return sites, named

@@ -1,0 +1,155 @@
+"""Measured peak memory of a training step, as TensorFlow's allocator reports it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat.backend import require_tensorflow
+from tfremat.graph.trace import batch_specs, step_function
+
+logger = logging.getLogger("tfremat")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredPeak:
+    """A measured training-step peak.
+
+    Attributes:
+        device: The device measured, `"GPU:0"` or `"CPU:0"`.
+        peak_bytes: `get_memory_info(device)["peak"]` over the measured steps:
+            everything allocated on the device, weights and optimizer included.
+        start_bytes: Bytes in use just before the step ran.
+    """
+
+    device: str
+    peak_bytes: int
+    start_bytes: int
+
+    @property
+    def step_bytes(self) -> int:
+        """What the step itself added on top of what was already allocated."""
+        return self.peak_bytes - self.start_bytes
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak_bytes / 2**20
+
+
+def device_name() -> str:
+    """The device tfremat budgets: `"GPU:0"` when a GPU exists, else `"CPU:0"`."""
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def _memory_info(device: str) -> dict[str, int]:
+    try:
+        return tf.config.experimental.get_memory_info(device)
+    except ValueError as e:
+        raise RuntimeError(
+            f"TensorFlow keeps no allocator statistics for {device} ({e}). On CPU they "
+            "need oneDNN (do not set TF_ENABLE_ONEDNN_OPTS=0) or "
+            "TF_CPU_ALLOCATOR_USE_BFC=1.") from e
+
+
+def measure_step(run: Callable[[], Any], *, device: str | None = None,
+                 repeats: int = 2) -> MeasuredPeak:
+    """Measures the peak memory of `run()`, a function running one step.
+
+    `run` is called once first (tracing and first-use allocations), then
+    `repeats` times, each after `reset_memory_stats`; the largest peak counts.
+
+    Args:
+        run: Runs one training step.
+        device: Device to read; default `device_name()`.
+        repeats: Measured runs after the warm-up.
+
+    Returns:
+        A `MeasuredPeak`.
+    """
+    device = device or device_name()
+    run()
+    peak, start = 0, 0
+    for _ in range(max(1, repeats)):
+        current = _memory_info(device)["current"]
+        tf.config.experimental.reset_memory_stats(device)
+        run()
+        info = _memory_info(device)
+        if info["peak"] >= peak:
+            peak, start = info["peak"], current
+    return MeasuredPeak(device=device, peak_bytes=int(peak), start_bytes=int(start))
+
+
+def synthetic_batch(spec: Any, seed: int = 0) -> Any:
+    """A batch of random tensors matching a nest of `tf.TensorSpec`s."""
+    rng = np.random.default_rng(seed)
+
+    def make(s: tf.TensorSpec) -> tf.Tensor:
+        if s.dtype.is_floating:
+            return tf.constant(rng.standard_normal(s.shape.as_list()), dtype=s.dtype)
+        return tf.zeros(s.shape, dtype=s.dtype)
+
+    return tf.nest.map_structure(make, spec)
+
+
+class _StateSnapshot:
+    """Values of a model's and its optimizer's variables, to undo measured steps."""
+
+    def __init__(self, model: keras.Model) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.variables)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        variables += [v for m in getattr(model, "metrics", []) for v in m.variables]
+        self.pairs = [(v, np.array(v.numpy())) for v in variables]
+
+    def restore(self) -> None:
+        for v, value in self.pairs:
+            v.assign(value)
+
+
+def measure_peak(model: keras.Model, *, batch_size: int | None = None,
+                 sample: Any = None, repeats: int = 2,
+                 return_details: bool = False) -> int | MeasuredPeak:
+    """Runs training steps of `model` and returns the device's measured peak.
+
+    The model's weights, optimizer state and metrics are restored afterwards: the
+    measurement does not train the model. The device (`"GPU:0"` if present, else
+    `"CPU:0"`) is logged on the `"tfremat"` logger.
+
+    Args:
+        model: A built Keras model; compiled models run their own `train_step`.
+        batch_size: Batch size, when shapes come from `model.inputs`.
+        sample: One batch `(x, y)` or a `tf.data.Dataset`; random data of its
+            shapes is used.
+        repeats: Measured steps after a warm-up step.
+        return_details: Return a `MeasuredPeak` instead of bytes.
+
+    Returns:
+        Peak bytes of the device during a step, or a `MeasuredPeak`.
+
+    Example:
+
+    >>> tfremat.measure_peak(model, batch_size=32) / 2**20   # MiB
+    """
+    require_tensorflow()
+    x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
+    if y_spec is None:
+        from tfremat.graph.trace import trace
+
+        y_spec = trace(model, batch_size=batch_size, sample=sample).input_specs[1]
+    x, y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
+    jit = getattr(model, "jit_compile", False) is True
+    step = tf.function(step_function(model), jit_compile=jit)
+    snapshot = _StateSnapshot(model)
+    try:
+        result = measure_step(lambda: step(x, y), repeats=repeats)
+    finally:
+        snapshot.restore()
+    logger.info("Measured peak of %s on %s: %.1f MiB (the step added %.1f MiB).",
+                model.name, result.device, result.peak_mb, result.step_bytes / 2**20)
+    return result if return_details else result.peak_bytes

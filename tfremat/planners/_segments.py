@@ -1,0 +1,227 @@
+"""Helpers shared by the planners: cut points, valid segments, finished plans.
+
+Every planner ends the same way: its node sets are made valid (no InputLayer,
+convex, shared layers whole), wrapped in a Plan, and the Plan's estimates come
+from the simulator, the ground truth of what a budget means.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from tfremat.errors import BudgetError
+from tfremat.graph.plan_graph import Node, PlanGraph, split_ref
+from tfremat.planners.plan import Plan, Segment, shared_layer_groups
+from tfremat.simulate import Estimate, simulate
+
+MIB = 2**20
+
+
+def activation_bytes(node: Node) -> int:
+    """Bytes a call's forward results occupy: outputs plus internal saved tensors."""
+    if node.is_input:
+        return 0
+    return node.output_bytes + node.internal_saved_bytes
+
+
+def planned_positions(graph: PlanGraph) -> list[int]:
+    """Topological positions of the nodes a planner may recompute (no InputLayer)."""
+    return [i for i, n in enumerate(graph.nodes) if not n.is_input]
+
+
+def single_tensor_cuts(graph: PlanGraph) -> list[int]:
+    """Positions `p` where exactly one tensor crosses a cut after node `p`.
+
+    A tensor made at position `a` and last read at position `b` (the loss, after
+    every node, for model outputs) crosses the cuts after `a, ..., b - 1`.
+    Tensors of InputLayers are left out: they are part of the batch and always
+    kept. Valid on any DAG; on a chain every position is a cut.
+
+    Args:
+        graph: The PlanGraph.
+
+    Returns:
+        The sorted cut positions.
+    """
+    n = len(graph)
+    last: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for ref in node.inputs:
+            last[ref] = i
+    for ref in graph.outputs:
+        last[ref] = n
+    diff = [0] * (n + 1)
+    for ref, end in last.items():
+        start = graph.index(split_ref(ref)[0])
+        if graph.nodes[start].is_input:
+            continue
+        diff[start] += 1
+        diff[end] -= 1
+    cuts, crossing = [], 0
+    for p in range(n - 1):
+        crossing += diff[p]
+        if crossing == 1:
+            cuts.append(p)
+    return cuts
+
+
+def merge_shared_runs(graph: PlanGraph, runs: list[list[int]]) -> list[list[int]]:
+    """Merges consecutive runs of positions so each shared layer lies in one run.
+
+    Args:
+        graph: The PlanGraph.
+        runs: Contiguous, ordered, disjoint runs of topological positions.
+
+    Returns:
+        Runs where the calls of a shared layer that fall into runs all fall into
+        the same run (calls outside every run are left to `valid_segments`).
+    """
+    groups = list(shared_layer_groups(graph).values())
+    runs = [list(r) for r in runs]
+    changed = True
+    while changed:
+        changed = False
+        run_of = {p: k for k, r in enumerate(runs) for p in r}
+        for calls in groups:
+            owners = sorted({run_of[graph.index(c)] for c in calls
+                             if graph.index(c) in run_of})
+            if len(owners) > 1:
+                lo, hi = owners[0], owners[-1]
+                merged = list(range(runs[lo][0], runs[hi][-1] + 1))
+                runs = runs[:lo] + [merged] + runs[hi + 1:]
+                changed = True
+                break
+    return runs
+
+
+def convex_pieces(graph: PlanGraph, ids: Sequence[str]) -> list[list[str]]:
+    """Splits node ids into convex pieces, each a run of them in topological order.
+
+    A node joins the current piece unless a path from the piece reaches it
+    through a node outside the piece; then it starts a new piece. Because pieces
+    follow each other in topological order, contracting them keeps the graph
+    acyclic.
+
+    Args:
+        graph: The PlanGraph.
+        ids: Node ids.
+
+    Returns:
+        The pieces, in topological order.
+    """
+    order = sorted(set(ids), key=graph.index)
+    if not order:
+        return []
+    members = set(order)
+    pieces: list[list[str]] = []
+    current: list[str] = []
+    inside: set[str] = set()
+    tainted: set[str] = set()  # outside the piece, reachable from it
+    for idx in range(graph.index(order[0]), graph.index(order[-1]) + 1):
+        nid = graph.nodes[idx].id
+        preds = graph.predecessors(nid)
+        if nid in members:
+            if any(p in tainted for p in preds):
+                pieces.append(current)
+                current, inside, tainted = [], set(), set()
+            current.append(nid)
+            inside.add(nid)
+        elif any(p in inside or p in tainted for p in preds):
+            tainted.add(nid)
+    pieces.append(current)
+    return pieces
+
+
+def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list[list[str]]:
+    """Turns node sets into segments that `Plan.validate` accepts.
+
+    InputLayers are removed, each set is split into convex pieces, and the calls
+    of a shared layer that do not all land in one piece are taken out of the
+    segments (kept instead of recomputed), repeating until stable.
+
+    Args:
+        graph: The PlanGraph.
+        node_sets: Node sets, disjoint, ordered so that contracting them keeps
+            the graph acyclic (e.g. runs of the topological order, or the
+            blocks of a lower-set sequence).
+
+    Returns:
+        Non-empty, convex, disjoint segments in topological order.
+    """
+    groups = list(shared_layer_groups(graph).values())
+    sets = [[n for n in s if not graph.node(n).is_input] for s in node_sets]
+    while True:
+        pieces = [p for s in sets for p in convex_pieces(graph, s) if p]
+        piece_of = {n: k for k, p in enumerate(pieces) for n in p}
+        broken = {c for calls in groups
+                  if len({piece_of.get(c) for c in calls}) > 1 for c in calls}
+        if not broken:
+            return pieces
+        sets = [[n for n in p if n not in broken] for p in pieces]
+
+
+def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
+                planner: str, budget_bytes: int | None, settings: dict[str, Any],
+                extra: dict[str, Any] | None = None) -> Plan:
+    """Wraps segments in a validated Plan whose estimates come from `simulate`.
+
+    Args:
+        graph: The PlanGraph.
+        segments: Valid segments (lists of ids or Segments with children).
+        planner: Planner name recorded in the plan.
+        budget_bytes: Budget recorded in the plan.
+        settings: Planner settings recorded in the plan.
+        extra: More estimates to record (planner-specific).
+
+    Returns:
+        The Plan, with estimates `"peak_bytes"`, `"overhead"` and
+        `"extra_compute"` from the simulator.
+    """
+    plan = Plan.from_segments(graph, list(segments), planner=planner,
+                              budget_bytes=budget_bytes, settings=dict(settings))
+    plan.validate(graph)
+    plan.estimates = {**estimates_of(simulate(graph, plan)), **(extra or {})}
+    return plan
+
+
+def estimates_of(est: Estimate) -> dict[str, Any]:
+    """The estimates every Plan carries, from a simulator `Estimate`."""
+    return {"peak_bytes": est.peak_bytes, "overhead": est.overhead,
+            "extra_compute": est.extra_compute}
+
+
+def fits(plan: Plan, budget_bytes: int | None) -> bool:
+    """Whether the plan's simulated peak is within the budget (None: no budget)."""
+    return budget_bytes is None or plan.estimates["peak_bytes"] <= budget_bytes
+
+
+def best_plan(plans: Sequence[Plan], budget_bytes: int | None, planner: str,
+              detail: str = "") -> Plan:
+    """Picks the least-overhead plan within budget, else raises BudgetError.
+
+    Args:
+        plans: Candidate plans with simulator estimates.
+        budget_bytes: The budget (None: no budget, pick least overhead).
+        planner: Planner name for the error.
+        detail: Extra text for the error.
+
+    Returns:
+        The plan within budget with least overhead (then smallest peak).
+
+    Raises:
+        BudgetError: no plan fits; its minimum is the smallest simulated peak.
+    """
+    within = [p for p in plans if fits(p, budget_bytes)]
+    if within:
+        return min(within, key=lambda p: (p.estimates["overhead"],
+                                          p.estimates["peak_bytes"]))
+    lowest = min(p.estimates["peak_bytes"] for p in plans)
+    raise budget_error(budget_bytes, lowest, planner, detail)
+
+
+def budget_error(budget_bytes: int | None, min_bytes: int, planner: str,
+                 detail: str = "") -> BudgetError:
+    """A BudgetError stating the minimum feasible budget, exact in bytes too."""
+    text = f"({min_bytes} bytes by the simulator.)"
+    return BudgetError((budget_bytes or 0) / MIB, min_bytes / MIB, planner,
+                       f"{text} {detail}".strip())

@@ -1,0 +1,68 @@
+"""The exact recompute mechanism shared by every recompute unit.
+
+`tf.recompute_grad` alone is not exact for Keras layers (NOTES.md): the
+recompute in the backward pass updates BatchNorm moving statistics a second
+time and advances `SeedGenerator`s, so dropout draws a new mask and the
+gradients are wrong. `recompute` fixes both: it snapshots the unit's state
+variables (non-trainable variables, `SeedGenerator` states included) before the
+forward pass, and runs the recompute inside a `keras.StatelessScope` mapping
+each state variable to its snapshot, so the recompute sees the state the
+forward pass saw and its assignments are discarded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+
+def state_variables(layers: Sequence[Any]) -> list[Any]:
+    """The variables a forward pass of `layers` may read and assign.
+
+    Args:
+        layers: Keras layers (models included).
+
+    Returns:
+        Their non-trainable variables (moving statistics, `SeedGenerator`
+        states, ...), each once.
+    """
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        for v in layer.non_trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
+              state: Sequence[Any]) -> Any:
+    """Runs `fn(*inputs)` whose activations are recomputed in the backward pass.
+
+    Args:
+        fn: A function of positional tensors only; bind everything else
+            (e.g. `training`) in a closure, since `tf.recompute_grad` refuses
+            keyword arguments in graph mode.
+        inputs: The tensors to pass to `fn`.
+        state: Keras variables `fn` may read and assign
+            (see `state_variables`). The recompute reads their values from
+            before the forward pass and does not assign them.
+
+    Returns:
+        What `fn` returns.
+    """
+    state = list(state)
+    snapshots = [tf.identity(v.value) for v in state]
+    calls = itertools.count()
+
+    def body(*xs: Any) -> Any:
+        if next(calls) == 0:  # The forward pass: state updates are kept.
+            return fn(*xs)
+        with keras.StatelessScope(state_mapping=list(zip(state, snapshots))):
+            return fn(*xs)
+
+    return tf.recompute_grad(body)(*[tf.convert_to_tensor(x) for x in inputs])

@@ -1,0 +1,70 @@
+"""`RecomputeSegment`: a Keras layer running a sub-graph under recomputation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from tfremat.rewrite.recompute import recompute, state_variables
+
+
+@keras.saving.register_keras_serializable(package="tfremat")
+class RecomputeSegment(keras.layers.Layer):
+    """Runs a functional sub-model whose activations are recomputed in the
+    backward pass instead of kept.
+
+    The forward pass keeps only the segment's inputs; the backward pass runs
+    the sub-model again to get the activations its gradients need. The
+    recompute is exact: it sees the BatchNorm moving statistics and the
+    `SeedGenerator` states (dropout masks) of the forward pass, and updates
+    neither (see `tfremat.rewrite.recompute`). `training` is passed to every
+    sublayer explicitly, also in the recompute.
+
+    The layer is built by `tfremat.rewrite.rewrite_model` and saves with the
+    model: `keras.models.load_model` restores it once `tfremat.rewrite` is
+    imported (importing registers the class).
+
+    Args:
+        submodel: A functional `keras.Model` taking a list of tensors and
+            returning a list of tensors: the segment's layer calls. Nested
+            segments appear inside it as `RecomputeSegment` layers.
+        **kwargs: Base `keras.layers.Layer` arguments (`name`, ...).
+
+    Example:
+
+    ```python
+    x = keras.Input((16,))
+    h = keras.layers.Dense(16, activation="relu")(x)
+    segment = RecomputeSegment(keras.Model([x], [h]))
+    y = segment([keras.Input((16,))])[0]
+    ```
+    """
+
+    def __init__(self, submodel: keras.Model, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.submodel = submodel
+        # The sub-model's layers cast their own inputs; keep dtypes as given.
+        self._convert_input_args = False
+        self.built = True
+
+    def call(self, inputs: list[Any], training: bool | None = None) -> list[Any]:
+        def run(*xs: Any) -> list[Any]:
+            return self.submodel(list(xs), training=training)
+
+        outputs = recompute(run, list(inputs), state_variables([self.submodel]))
+        return list(outputs)
+
+    def compute_output_spec(self, inputs: list[Any],
+                            training: bool | None = None) -> list[Any]:
+        return list(self.submodel.compute_output_spec(list(inputs)))
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(),
+                "submodel": keras.saving.serialize_keras_object(self.submodel)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "RecomputeSegment":
+        config = dict(config)
+        submodel = keras.saving.deserialize_keras_object(config.pop("submodel"))
+        return cls(submodel, **config)

@@ -1,0 +1,67 @@
+"""Checking a Plan against the call sites of the model it is applied to.
+
+The rewriter does not trace the model: it rebuilds a lightweight `PlanGraph`
+(structure only, no costs) from the model's call sites and lets
+`Plan.validate` run the same checks the planners' plans go through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from tfremat.errors import PlanValidationError
+from tfremat.graph.keras_graph import CallSite
+from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
+from tfremat.planners.plan import Plan
+
+
+def _tensor_info(tensor: Any) -> TensorInfo:
+    shape = [1 if d is None else d for d in getattr(tensor, "shape", ())]
+    return TensorInfo.of(shape, str(getattr(tensor, "dtype", "float32")))
+
+
+def structure_graph(sites: Iterable[CallSite], name: str = "model") -> PlanGraph:
+    """A `PlanGraph` holding only the structure of `sites`.
+
+    Args:
+        sites: Call sites of a model (`tfremat.graph.keras_graph.walk`).
+        name: Name of the graph (the model's name).
+
+    Returns:
+        A `PlanGraph` with one node per call site; its `fingerprint()` equals
+        the fingerprint of the fully extracted graph of the same model.
+    """
+    nodes = [
+        Node(id=s.id, layer=s.layer_key, class_name=s.class_name,
+             inputs=list(s.inputs),
+             outputs=[_tensor_info(t) for t in s.output_tensors])
+        for s in sites
+    ]
+    return PlanGraph(nodes=nodes, name=name)
+
+
+def validate_plan(plan: Plan, sites: list[CallSite], name: str = "model") -> PlanGraph:
+    """Checks that `plan` can be applied to the model with call sites `sites`.
+
+    Args:
+        plan: The plan to apply.
+        sites: The model's call sites.
+        name: The model's name, used in messages.
+
+    Returns:
+        The structure graph the plan was checked against.
+
+    Raises:
+        PlanMismatchError: the plan was made for another graph.
+        PlanValidationError: a segment names unknown nodes or an input layer,
+            overlaps another, is not convex, or splits the calls of a shared
+            layer; or the plan asks for host offload, which the rewriter does
+            not apply yet.
+    """
+    graph = structure_graph(sites, name)
+    plan.validate(graph)
+    if plan.offloaded:
+        raise PlanValidationError(
+            f"The plan offloads {len(plan.offloaded)} tensor(s) to the host; the "
+            "rewriter applies recompute segments only. Plan without offload.")
+    return graph
