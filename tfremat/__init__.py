@@ -40,6 +40,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tfremat' has no attribute {name!r}")
+    from tfremat.backend import require_tensorflow
+
+    require_tensorflow()
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -84,12 +84,12 @@ def op_flops(op: tf.Operation) -> float:
             return 0.0
         return 2.0 * _elements(out) * float(np.prod(w[:-1]))
     if t.startswith("DepthwiseConv2dNative"):
-        w = _static(op.inputs[1])
-        if w is None:
+        backprop = t.endswith(("BackpropInput", "BackpropFilter"))
+        # The filter's shape: input 1, or the output of the filter gradient.
+        w = _static(out if t.endswith("BackpropFilter") else op.inputs[1])
+        if w is None or len(w) < 2:
             return 0.0
-        ref = op.inputs[2] if t.endswith("BackpropInput") or t.endswith("BackpropFilter") \
-            else out
-        return 2.0 * _elements(ref) * w[0] * w[1]
+        return 2.0 * _elements(op.inputs[2] if backprop else out) * w[0] * w[1]
     if t == "Einsum":
         return _einsum_flops(op)
     return float(sum(_elements(o) for o in op.outputs))

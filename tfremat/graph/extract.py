@@ -144,19 +144,29 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                          is_temporary: Any) -> int:
     """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
-    each alive from its op to its last reader among `positions` (or the end)."""
+    each alive from its op to its last reader among `positions`.
+
+    An elementwise op whose temporary input dies at it writes into that input's
+    buffer, as TensorFlow's kernels do when they own the only reference.
+    """
     if not positions:
         return 0
     local = {p: k for k, p in enumerate(positions)}
     delta = [0] * (len(positions) + 1)
+    last: dict[_Root, int] = {}
     for p in positions:
-        for j in range(len(flow.ops[p].outputs)):
+        op = flow.ops[p]
+        for j in range(len(op.outputs)):
             r = flow.root[(p, j)]
             if r != (p, j) or not flow.size.get(r) or not is_temporary(r):
                 continue
-            last = max((local[c] for c in flow.readers[r] if c in local), default=local[p])
-            delta[local[p]] += flow.size[r]
-            delta[last + 1] -= flow.size[r]
+            last[r] = max((local[c] for c in flow.readers[r] if c in local), default=local[p])
+            nbytes = flow.size[r]
+            reused = op.type in costs.ELEMENTWISE_OPS and any(
+                last.get(src) == local[p] and flow.size[src] == nbytes
+                for src in (flow.root_of(t) for t in op.inputs))
+            delta[local[p] + (1 if reused else 0)] += nbytes
+            delta[last[r] + 1] -= nbytes
     peak = live = 0
     for d in delta[:-1]:
         live += d

@@ -94,6 +94,46 @@ def merge_shared_runs(graph: PlanGraph, runs: list[list[int]]) -> list[list[int]
     return runs
 
 
+def merge_shared_blocks(graph: PlanGraph, blocks: Sequence[tuple[list[str], bool]]
+                        ) -> list[list[str]]:
+    """Merges consecutive blocks of a lower-set sequence around shared layers.
+
+    The union of consecutive blocks L_j \\ L_{i-1} is convex, so merging every
+    range of blocks that holds the calls of one shared layer keeps each shared
+    layer whole. A merged range is recomputed if any of its blocks was. A range
+    reaching the last block (never recomputed) is not merged: its blocks stay
+    apart and `valid_segments` keeps the shared calls out of them.
+
+    Args:
+        graph: The PlanGraph.
+        blocks: `(node ids, recomputed)` of each block V_1, ..., V_k.
+
+    Returns:
+        The node sets to recompute, in order.
+    """
+    block_of = {nid: i for i, (ids, _) in enumerate(blocks) for nid in ids}
+    reach = list(range(len(blocks)))  # reach[i]: last block merged with block i
+    for calls in shared_layer_groups(graph).values():
+        owners = [block_of[c] for c in calls if c in block_of]
+        if owners:
+            reach[min(owners)] = max(reach[min(owners)], max(owners))
+    out, start = [], 0
+    while start < len(blocks):
+        end = start
+        i = start
+        while i <= end:
+            end = max(end, reach[i])
+            i += 1
+        if end == len(blocks) - 1:
+            # Merging into the last block would recompute nothing: keep the
+            # blocks, `valid_segments` takes the shared calls out of them.
+            out += [ids for ids, flag in blocks[start:end] if flag]
+        elif any(flag for _, flag in blocks[start:end + 1]):
+            out.append([nid for ids, _ in blocks[start:end + 1] for nid in ids])
+        start = end + 1
+    return out
+
+
 def convex_pieces(graph: PlanGraph, ids: Sequence[str]) -> list[list[str]]:
     """Splits node ids into convex pieces, each a run of them in topological order.
 

@@ -174,11 +174,15 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-def is_convex(graph: PlanGraph, node_ids: set[str]) -> bool:
-    """Whether no path leaves `node_ids` and comes back into it."""
+def is_convex(graph: PlanGraph, node_ids: set[str],
+              succ: dict[str, list[str]] | None = None) -> bool:
+    """Whether no path leaves `node_ids` and comes back into it.
+
+    `succ` may pass `graph.successors()` when checking many sets.
+    """
     if not node_ids:
         return True
-    succ = graph.successors()
+    succ = succ if succ is not None else graph.successors()
     hi = max(graph.index(n) for n in node_ids)
     # Nodes outside the set reachable from it, limited to the index window.
     frontier = [m for n in node_ids for m in succ[n] if m not in node_ids]
@@ -204,9 +208,11 @@ def shared_layer_groups(graph: PlanGraph) -> dict[str, list[str]]:
 
 
 def _validate_segments(graph: PlanGraph, segments: list[Segment],
-                       parent: set[str] | None) -> None:
+                       parent: set[str] | None,
+                       succ: dict[str, list[str]] | None = None) -> None:
     seen: set[str] = set()
     shared = shared_layer_groups(graph)
+    succ = succ if succ is not None else graph.successors()
     for seg in segments:
         if not seg.nodes:
             raise PlanValidationError("A recompute segment is empty.")
@@ -225,7 +231,7 @@ def _validate_segments(graph: PlanGraph, segments: list[Segment],
         if parent is not None and not ids <= parent:
             raise PlanValidationError(
                 f"Nested segment {seg.nodes} is not inside its parent segment.")
-        if not is_convex(graph, ids):
+        if not is_convex(graph, ids, succ):
             raise PlanValidationError(
                 f"Segment {seg.nodes} is not convex: a path leaves it and re-enters, "
                 "so it cannot run as one recomputed unit.")
@@ -236,4 +242,4 @@ def _validate_segments(graph: PlanGraph, segments: list[Segment],
                     f"Shared layer {layer!r} is called by {calls}; segment {seg.nodes} "
                     f"holds only {inside}. Keep every call of a shared layer in one "
                     "segment or outside all segments.")
-        _validate_segments(graph, seg.children, ids)
+        _validate_segments(graph, seg.children, ids, succ)

@@ -57,12 +57,23 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
     """
     state = list(state)
     snapshots = [tf.identity(v.value) for v in state]
+    values = [tf.convert_to_tensor(x) for x in inputs]
+    # Only floating tensors go through tf.recompute_grad (it adds a float
+    # dependency to its arguments); integer and boolean inputs are bound as
+    # constants of the recompute.
+    differentiable = [i for i, x in enumerate(values) if x.dtype.is_floating]
     calls = itertools.count()
 
     def body(*xs: Any) -> Any:
+        args = list(values)
+        for i, x in zip(differentiable, xs):
+            args[i] = x
         if next(calls) == 0:  # The forward pass: state updates are kept.
-            return fn(*xs)
+            return fn(*args)
         with keras.StatelessScope(state_mapping=list(zip(state, snapshots))):
-            return fn(*xs)
+            return fn(*args)
 
-    return tf.recompute_grad(body)(*[tf.convert_to_tensor(x) for x in inputs])
+    positional = [values[i] for i in differentiable]
+    # tf.recompute_grad needs one argument at least: weights' gradients still
+    # flow when every input is an integer (e.g. token ids into an Embedding).
+    return tf.recompute_grad(body)(*(positional or [tf.zeros(())]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+from keras.src import tree
 
 from tfremat.rewrite.recompute import recompute, state_variables
 
@@ -53,11 +54,11 @@ class RecomputeSegment(keras.layers.Layer):
             return self.submodel(list(xs), training=training)
 
         outputs = recompute(run, list(inputs), state_variables([self.submodel]))
-        return list(outputs)
+        return tree.flatten(outputs)
 
     def compute_output_spec(self, inputs: list[Any],
                             training: bool | None = None) -> list[Any]:
-        return list(self.submodel.compute_output_spec(list(inputs)))
+        return tree.flatten(self.submodel.compute_output_spec(list(inputs)))
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(),

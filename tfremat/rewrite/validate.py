@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from tfremat.errors import PlanValidationError
 from tfremat.graph.keras_graph import CallSite
 from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
-from tfremat.planners.plan import Plan
+from tfremat.planners.plan import Plan, Segment, shared_layer_groups
 
 
 def _tensor_info(tensor: Any) -> TensorInfo:
@@ -55,13 +55,30 @@ def validate_plan(plan: Plan, sites: list[CallSite], name: str = "model") -> Pla
         PlanMismatchError: the plan was made for another graph.
         PlanValidationError: a segment names unknown nodes or an input layer,
             overlaps another, is not convex, or splits the calls of a shared
-            layer; or the plan asks for host offload, which the rewriter does
+            layer (nested segments included: a layer saved in two sub-models
+            would load as two layers); or the plan asks for host offload, which the rewriter does
             not apply yet.
     """
     graph = structure_graph(sites, name)
     plan.validate(graph)
+    _check_nested_shared_layers(graph, plan.segments)
     if plan.offloaded:
         raise PlanValidationError(
             f"The plan offloads {len(plan.offloaded)} tensor(s) to the host; the "
             "rewriter applies recompute segments only. Plan without offload.")
     return graph
+
+
+def _check_nested_shared_layers(graph: PlanGraph, segments: list[Segment]) -> None:
+    shared = shared_layer_groups(graph)
+    for seg in segments:
+        for child in seg.children:
+            ids = set(child.nodes)
+            for layer, calls in shared.items():
+                inside = [c for c in calls if c in ids]
+                if inside and len(inside) != len(calls):
+                    raise PlanValidationError(
+                        f"Shared layer {layer!r} is called by {calls}; nested segment "
+                        f"{child.nodes} holds only {inside}. Keep every call of a "
+                        "shared layer in one nested segment or outside all of them.")
+        _check_nested_shared_layers(graph, seg.children)

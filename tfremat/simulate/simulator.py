@@ -221,7 +221,7 @@ class _Schedule:
         for ref in self.graph.outputs:
             self._use(ctx.resolve(ref), step)
             t = self.graph.tensor(ref)
-            if t.differentiable:
+            if t.differentiable and self.requires_grad[ref.rsplit(":", 1)[0]]:
                 key = ("grad", ref, 0)
                 self._alloc(key, t.bytes, step)
                 self.partials.setdefault(ref, []).append(key)

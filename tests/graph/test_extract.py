@@ -1,0 +1,206 @@
+"""Extraction of PlanGraphs from Keras models: ids, edges, bytes, errors."""
+
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat.errors import UnsupportedModelError
+
+
+def residual_cnn(size: int = 32, channels: int = 16) -> keras.Model:
+    inp = keras.Input((size, size, 3), name="image")
+    x = keras.layers.Conv2D(channels, 3, padding="same", name="stem")(inp)
+    y = keras.layers.BatchNormalization(name="bn")(x)
+    y = keras.layers.ReLU(name="relu")(y)
+    y = keras.layers.Conv2D(channels, 3, padding="same", name="conv")(y)
+    x = keras.layers.Add(name="add")([x, y])
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    out = keras.layers.Dense(10, name="head")(x)
+    model = keras.Model(inp, out, name="residual")
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_nodes_and_edges_of_a_functional_model():
+    g = tfremat.extract(residual_cnn(), batch_size=4)
+    assert [n.id for n in g] == ["image", "stem", "bn", "relu", "conv", "add", "pool", "head"]
+    assert g.node("add").inputs == ["stem:0", "conv:0"]
+    assert g.node("stem").class_name == "Conv2D"
+    assert g.outputs == ["head:0"]
+    assert g.node("stem").outputs[0].shape == (4, 32, 32, 16)
+    assert g.node("stem").outputs[0].bytes == 4 * 32 * 32 * 16 * 4
+
+
+def test_backward_reads_follow_the_gradients():
+    g = tfremat.extract(residual_cnn(), batch_size=4)
+    # ReluGrad reads ReLU's output; the second conv's filter gradient reads its input.
+    assert "relu:0" in g.node("relu").backward_reads
+    assert "relu:0" in g.node("conv").backward_reads
+    # Add needs none of its inputs for its gradient.
+    assert g.node("add").backward_reads == []
+
+
+def test_persistent_bytes_count_weights_and_adam_slots():
+    model = residual_cnn()
+    g = tfremat.extract(model, batch_size=4)
+    weights = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+    assert g.persistent_bytes["weights"] == weights
+    # Adam keeps two slots per trainable weight (plus counters).
+    assert g.persistent_bytes["optimizer"] >= 2 * weights
+    assert g.persistent_bytes["batch"] == 4 * 32 * 32 * 3 * 4 + 4 * 10 * 4
+    assert sum(n.param_bytes for n in g) == weights
+
+
+def test_flops_of_a_convolution():
+    g = tfremat.extract(residual_cnn(), batch_size=4)
+    # 2 * N * H * W * Cout * (kh * kw * Cin), plus the bias add.
+    conv = 2 * 4 * 32 * 32 * 16 * (3 * 3 * 16)
+    assert conv <= g.node("conv").flops_forward <= conv * 1.01
+    assert g.node("conv").flops_backward >= 2 * conv * 0.99
+
+
+def test_shared_layer_calls_get_indexed_ids():
+    inp = keras.Input((8,))
+    shared = keras.layers.Dense(8, name="shared")
+    x = shared(shared(inp))
+    model = keras.Model(inp, keras.layers.Dense(1, name="out")(x))
+    g = tfremat.extract(model, batch_size=2)
+    assert [n.id for n in g][1:] == ["shared@0", "shared@1", "out"]
+    assert g.node("shared@1").inputs == ["shared@0:0"]
+    assert g.node("shared@0").layer == g.node("shared@1").layer == "shared"
+    # The weights' gradient bytes are counted once.
+    assert g.node("shared@0").param_bytes == (8 * 8 + 8) * 4
+    assert g.node("shared@1").param_bytes == 0
+
+
+def test_nested_model_is_flattened():
+    inner_in = keras.Input((8,))
+    inner = keras.Model(inner_in, keras.layers.Dense(8, name="a")(inner_in), name="block")
+    inp = keras.Input((8,), name="x")
+    out = keras.layers.Dense(1, name="head")(inner(keras.layers.Dense(8, name="pre")(inp)))
+    g = tfremat.extract(keras.Model(inp, out), batch_size=2)
+    assert [n.id for n in g] == ["x", "pre", "block/a", "head"]
+    assert g.node("block/a").inputs == ["pre:0"]
+    assert g.node("head").inputs == ["block/a:0"]
+
+
+def test_sequential_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d"),
+                              keras.layers.ReLU(name="r"), keras.layers.Dense(1, name="o")])
+    g = tfremat.extract(model, batch_size=5)
+    assert [n.id for n in g][1:] == ["d", "r", "o"]
+    assert g.node("r").inplace
+
+
+def test_mixed_precision_bytes():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inp = keras.Input((16,))
+        x = keras.layers.Dense(32, name="d")(inp)
+        out = keras.layers.Dense(1, name="o", dtype="float32")(x)
+        g = tfremat.extract(keras.Model(inp, out), batch_size=4)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert g.node("d").outputs[0].dtype == "float16"
+    assert g.node("d").outputs[0].bytes == 4 * 32 * 2
+    assert g.node("o").outputs[0].dtype == "float32"
+
+
+def test_bfloat16_bytes():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        inp = keras.Input((16,))
+        g = tfremat.extract(keras.Model(inp, keras.layers.Dense(32, name="d")(inp)),
+                            batch_size=4)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert g.node("d").outputs[0].dtype == "bfloat16"
+    assert g.node("d").outputs[0].bytes == 4 * 32 * 2
+
+
+def test_sample_batch_and_dataset_give_the_same_graph():
+    model = residual_cnn()
+    x = np.zeros((4, 32, 32, 3), "float32")
+    y = np.zeros((4, 10), "float32")
+    from_sample = tfremat.extract(model, sample=(x, y))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    from_dataset = tfremat.extract(model, sample=ds, batch_size=4)
+    assert from_sample.to_dict()["nodes"] == from_dataset.to_dict()["nodes"]
+
+
+def test_sparse_labels_are_inferred_for_a_sparse_loss():
+    model = residual_cnn()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    g = tfremat.extract(model, batch_size=4)
+    assert g.persistent_bytes["batch"] == 4 * 32 * 32 * 3 * 4 + 4 * 4  # int32 labels
+
+
+def test_uncompiled_model_gets_a_default_step():
+    model = residual_cnn()
+    uncompiled = keras.Model(model.inputs, model.outputs)
+    g = tfremat.extract(uncompiled, batch_size=2)
+    assert g.persistent_bytes["optimizer"] == 0
+    assert len(g) == 8
+
+
+class Blocks(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.blocks = [keras.layers.Dense(16, activation="relu", name=f"block{i}")
+                       for i in range(3)]
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_subclassed_model_nodes_are_its_sublayers():
+    model = Blocks()
+    model(np.zeros((2, 16), "float32"))
+    g = tfremat.extract(model, sample=(np.zeros((2, 16), "float32"),
+                                       np.zeros((2, 1), "float32")))
+    assert [n.id for n in g] == ["input_0", "block0", "block1", "block2", "head"]
+    # The residual sum sits between calls; its reads become edges.
+    assert "block0:0" in g.node("block1").inputs
+    assert g.outputs == ["head:0"]
+    assert g.metadata["subclassed"]
+
+
+def test_unbuilt_models_are_refused():
+    with pytest.raises(UnsupportedModelError, match="not built"):
+        tfremat.extract(keras.Sequential([keras.layers.Dense(2)]), batch_size=2)
+    with pytest.raises(UnsupportedModelError, match="not built"):
+        tfremat.extract(Blocks(), batch_size=2)
+
+
+def test_non_tensorflow_backend_is_refused():
+    # Keras's numpy backend needs JAX, absent here: tfremat must speak first.
+    code = "import tfremat\ntfremat.extract\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"KERAS_BACKEND": "numpy", "PATH": "/usr/bin:/bin"})
+    assert out.returncode != 0
+    assert "KERAS_BACKEND='numpy'" in out.stderr
+    assert "Set KERAS_BACKEND=tensorflow" in out.stderr
+
+
+def test_prediction_matches_measurement_on_a_cnn():
+    """The simulator's peak is within 10% of TensorFlow's allocator peak."""
+    inp = keras.Input((64, 64, 3))
+    x = inp
+    for i in range(4):
+        x = keras.layers.Conv2D(32, 3, padding="same", name=f"conv{i}")(x)
+        x = keras.layers.BatchNormalization(name=f"bn{i}")(x)
+        x = keras.layers.ReLU(name=f"relu{i}")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, keras.layers.Dense(10)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    predicted = tfremat.simulate(tfremat.extract(model, batch_size=16)).peak_bytes
+    measured = tfremat.measure_peak(model, batch_size=16)
+    assert abs(predicted / measured - 1) < 0.10, (predicted / 2**20, measured / 2**20)

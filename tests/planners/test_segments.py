@@ -1,0 +1,71 @@
+"""Cut points and segment validity helpers shared by the planners."""
+
+from tfremat.planners import _segments as seg
+from tfremat.planners.plan import is_convex
+
+from tests.planners import graphs as G
+
+
+def test_every_position_of_a_chain_is_a_single_tensor_cut():
+    graph = G.chain(5)
+    # Cuts after nodes 1..4 (the input's tensor does not count; the last node
+    # has nothing after it).
+    assert seg.single_tensor_cuts(graph) == [1, 2, 3, 4]
+
+
+def test_cuts_inside_a_residual_block_are_not_single_tensor_cuts():
+    graph = G.resnet_like(3)
+    cuts = [graph.nodes[p].id for p in seg.single_tensor_cuts(graph)]
+    # The first block's skip is the input (part of the batch, not counted).
+    # In later blocks the skip tensor crosses every inner cut; only the Add
+    # (whose output alone feeds the ReLU) and the block's final ReLU remain,
+    # but not after the graph's last node.
+    assert cuts[-4:] == ["relu_2", "add_1", "relu_5", "add_2"]
+    assert "conv2d_3" not in cuts and "relu_3" not in cuts
+
+
+def test_unet_long_skips_leave_no_cut_between_encoder_and_decoder():
+    graph = G.unet_like(3)
+    cuts = seg.single_tensor_cuts(graph)
+    assert not [p for p in cuts
+                if graph.index("maxpooling2d") <= p < graph.index("concatenate_2")]
+
+
+def test_convex_pieces_split_where_a_path_leaves_and_returns():
+    graph = G.resnet_like(1)
+    # conv, bn and add without relu in between: add is reached from conv via
+    # the excluded nodes, so it starts a new piece.
+    pieces = seg.convex_pieces(graph, ["conv2d", "batchnormalization", "add"])
+    assert pieces == [["conv2d", "batchnormalization"], ["add"]]
+    assert all(is_convex(graph, set(p)) for p in pieces)
+
+
+def test_valid_segments_drop_inputs_and_partial_shared_layers():
+    graph = G.shared_layers()
+    ids = [n.id for n in graph]
+    half = ids[: ids.index("shared@1")]  # holds shared@0 but not the other calls
+    segments = seg.valid_segments(graph, [half])
+    flat = {n for s in segments for n in s}
+    assert "input" not in flat and "shared@0" not in flat
+    assert flat == set(half) - {"input", "shared@0"}
+
+
+def test_merge_shared_blocks_merges_the_range_holding_a_shared_layer():
+    graph = G.shared_layers(n_blocks=5)
+    ids = [n.id for n in graph if not n.is_input]
+    blocks = [(ids[i:i + 2], True) for i in range(0, len(ids), 2)]
+    owners = [b for b, (block, _) in enumerate(blocks) for n in block
+              if n.startswith("shared")]
+    assert owners == [2, 4] and len(blocks) == 6
+    merged = seg.merge_shared_blocks(graph, blocks)
+    assert merged == [blocks[0][0], blocks[1][0],
+                      [n for block, _ in blocks[2:5] for n in block]]
+
+
+def test_merge_shared_blocks_never_merges_into_the_last_block():
+    graph = G.shared_layers(n_blocks=4)
+    ids = [n.id for n in graph if not n.is_input]
+    blocks = [(ids[:5], True), (ids[5:], False)]  # shared@0 | shared@1
+    assert seg.merge_shared_blocks(graph, blocks) == [ids[:5]]
+    # valid_segments then keeps the shared call out of the segment.
+    assert seg.valid_segments(graph, [ids[:5]]) == [ids[:4]]

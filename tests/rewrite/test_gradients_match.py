@@ -1,0 +1,106 @@
+"""Rewritten models compute the original's gradients and state updates."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rewrite_helpers as h
+from tfremat.planners.plan import Segment
+from tfremat.rewrite import RecomputeSegment, rewrite_model
+
+MODELS = {
+    "deep_mlp": h.deep_mlp,
+    "residual_cnn": h.residual_cnn,
+    "unet": h.unet,
+    "rnn_stack": h.rnn_stack,
+    "transformer_block": h.transformer_block,
+    "shared_layer_model": h.shared_layer_model,
+    "nested_model": h.nested_model,
+}
+
+
+def _segmentations(model: keras.Model) -> dict[str, list]:
+    ids = h.body_ids(model)
+    half = len(ids) // 2
+    inner = h.contiguous_segments(model, [2, half - 1])
+    return {
+        "sqrt": h.sqrt_segments(model),
+        "everything": [ids],
+        "nested": [Segment(ids[:half] if len(inner[0]) < half else ids,
+                           children=[Segment(s) for s in inner if set(s) <= set(ids[:half])])],
+    }
+
+
+def _segment_layers(model: keras.Model) -> list:
+    return [layer for layer in model.layers if isinstance(layer, RecomputeSegment)]
+
+
+@pytest.mark.parametrize("segmentation", ["sqrt", "everything", "nested"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradients_and_state_match_original(name, segmentation):
+    keras.utils.set_random_seed(1)
+    model = MODELS[name]()
+    segments = _segmentations(model)[segmentation]
+    rewritten = rewrite_model(model, h.plan_for(model, segments))
+    assert len(_segment_layers(rewritten)) == len(segments)
+    h.assert_same_step(model, rewritten, h.batch_for(model))
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+@pytest.mark.parametrize("name", ["residual_cnn", "transformer_block", "nested_model"])
+def test_gradients_match_in_graph_mode(name, mode):
+    keras.utils.set_random_seed(2)
+    model = MODELS[name]()
+    rewritten = rewrite_model(model, h.plan_for(model, _segmentations(model)["nested"]))
+    h.assert_same_step(model, rewritten, h.batch_for(model), mode)
+
+
+def test_nested_segments_become_inner_recompute_layers():
+    model = h.residual_cnn()
+    ids = h.body_ids(model)
+    plan = h.plan_for(model, [Segment(ids[:12], children=[Segment(ids[1:5]),
+                                                           Segment(ids[6:9])])])
+    outer = _segment_layers(rewrite_model(model, plan))
+    assert len(outer) == 1
+    inner = [layer for layer in outer[0].submodel.layers
+             if isinstance(layer, RecomputeSegment)]
+    assert len(inner) == 2
+    assert [layer.name for layer in inner[0].submodel.layers[1:]] == ids[1:5]
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_contiguous_segmentations_match(data):
+    name = data.draw(st.sampled_from(["residual_cnn", "shared_layer_model",
+                                      "transformer_block", "nested_model"]))
+    keras.utils.set_random_seed(3)
+    model = MODELS[name]()
+    n = len(h.body_ids(model))
+    cuts = data.draw(st.lists(st.integers(1, n - 1), max_size=6))
+    segments = h.contiguous_segments(model, cuts)
+    chosen = data.draw(st.lists(st.sampled_from(range(len(segments))), min_size=1,
+                                unique=True))
+    plan = h.plan_for(model, [segments[i] for i in sorted(chosen)])
+    h.assert_same_step(model, rewrite_model(model, plan), h.batch_for(model))
+
+
+APPLICATIONS = {
+    "ResNet50": keras.applications.ResNet50,
+    "DenseNet121": keras.applications.DenseNet121,
+    "MobileNetV2": keras.applications.MobileNetV2,
+    "VGG19": keras.applications.VGG19,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(APPLICATIONS))
+def test_applications_gradients_match(name):
+    keras.utils.set_random_seed(4)
+    model = APPLICATIONS[name](weights=None, input_shape=(32, 32, 3), classes=10)
+    for segments in (h.sqrt_segments(model), [h.body_ids(model)]):
+        rewritten = rewrite_model(model, h.plan_for(model, segments))
+        h.assert_same_step(model, rewritten, h.batch_for(model), "function")

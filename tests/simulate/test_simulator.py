@@ -1,0 +1,133 @@
+"""The simulator against peaks computed by hand on tiny graphs."""
+
+import pytest
+
+from tfremat import Node, Plan, PlanGraph, Segment, TensorInfo, simulate
+from tfremat.errors import PlanMismatchError
+
+MB = 2**20
+
+
+def t(mb: float) -> TensorInfo:
+    """A float32 tensor of `mb` MiB."""
+    return TensorInfo.of((int(mb * MB) // 4,), "float32")
+
+
+def fig2_graph() -> PlanGraph:
+    """Chen et al. Fig. 2 / the MXNet note: B = sigmoid(A), C = sigmoid(B),
+    F = pool(B), E = pool(C), G = E * F. No weights, so no backward pass: the
+    schedule is the forward pass and the loss reading G."""
+    return PlanGraph([
+        Node("A", "A", "InputLayer", [], [t(4)]),
+        Node("B", "B", "Activation", ["A:0"], [t(4)], inplace=True),
+        Node("C", "C", "Activation", ["B:0"], [t(4)], inplace=True),
+        Node("F", "F", "MaxPooling", ["B:0"], [t(1)]),
+        Node("E", "E", "MaxPooling", ["C:0"], [t(1)]),
+        Node("G", "G", "Multiply", ["E:0", "F:0"], [t(1)], inplace=True),
+    ], outputs=["G:0"])
+
+
+def test_no_optimisation_allocates_every_output():
+    assert simulate(fig2_graph(), strategy="none").peak_bytes == 11 * MB
+
+
+def test_inplace_avoids_the_trap_of_a_still_needed_input():
+    # C = sigmoid(B) may not overwrite B, which F still reads; G overwrites E.
+    assert simulate(fig2_graph(), strategy="inplace").peak_bytes == 10 * MB
+
+
+def test_sharing_frees_after_last_reader():
+    est = simulate(fig2_graph(), strategy="sharing")
+    # While F runs, B (its input), C (still to be pooled) and F are alive.
+    assert est.peak_bytes == 9 * MB
+    assert est.peak_step == "fwd F"
+
+
+def test_sharing_reuses_memory_of_a_different_size():
+    # A 4 MiB buffer dies before a 2 MiB one is made: the peak is not their sum.
+    g = PlanGraph([
+        Node("in", "in", "InputLayer", [], [t(1)]),
+        Node("big", "big", "Dense", ["in:0"], [t(4)]),
+        Node("small", "small", "Dense", ["big:0"], [t(2)]),
+        Node("tiny", "tiny", "Dense", ["small:0"], [t(1)]),
+    ], outputs=["tiny:0"])
+    assert simulate(g, strategy="sharing").peak_bytes == 6 * MB  # big + small
+    assert simulate(g, strategy="none").peak_bytes == 7 * MB
+
+
+def mlp_graph(p1: float = 0.5, p2: float = 0.25) -> PlanGraph:
+    return PlanGraph([
+        Node("in", "in", "InputLayer", [], [t(1)]),
+        Node("d1", "d1", "Dense", ["in:0"], [t(4)], backward_reads=["in:0"],
+             param_bytes=int(p1 * MB)),
+        Node("relu", "relu", "ReLU", ["d1:0"], [t(4)], backward_reads=["relu:0"],
+             inplace=True),
+        Node("d2", "d2", "Dense", ["relu:0"], [t(1)], backward_reads=["relu:0"],
+             param_bytes=int(p2 * MB)),
+    ], outputs=["d2:0"], persistent_bytes={"weights": 3 * MB, "batch": MB})
+
+
+def test_training_step_peak_by_hand():
+    est = simulate(mlp_graph())
+    # Backward of relu: relu output (kept for ReluGrad) 4, its gradient 4, the
+    # gradient of d1's output 4, and d2's weight gradient 0.25, on top of 4 MiB
+    # persistent. ReLU wrote into d1's output in place.
+    assert est.peak_bytes == 4 * MB + 12 * MB + int(0.25 * MB)
+    assert est.peak_step == "bwd relu"
+    assert est.persistent_bytes == 4 * MB
+
+
+def chain(n: int, mb: float = 1.0) -> PlanGraph:
+    nodes = [Node("in", "in", "InputLayer", [], [t(mb)])]
+    for i in range(n):
+        prev = nodes[-1].id
+        nodes.append(Node(f"l{i}", f"l{i}", "Dense", [f"{prev}:0"], [t(mb)],
+                          backward_reads=[f"{prev}:0"], param_bytes=1024,
+                          flops_forward=10.0, flops_backward=20.0))
+    return PlanGraph(nodes, outputs=[f"{nodes[-1].id}:0"])
+
+
+def test_recompute_segments_lower_the_peak_and_cost_one_forward():
+    g = chain(16)
+    plain = simulate(g)
+    plan = Plan.from_segments(g, [[f"l{i}" for i in range(k, k + 4)] for k in range(0, 16, 4)])
+    est = simulate(g, plan)
+    assert est.peak_bytes < plain.peak_bytes
+    # Every node inside a segment runs its forward twice.
+    assert est.extra_flops == 16 * 10.0
+    assert est.overhead == pytest.approx(160.0 / (16 * 30.0))
+    # Kept: l3, l7, l11 (segment inputs); during the last segment's backward,
+    # its 4 recomputed outputs, l15 is gone after the loss; plus gradients.
+    assert est.activation_peak_bytes < 9 * MB
+
+
+def test_nested_segments_lower_the_peak_further():
+    g = chain(32)
+    ids = [f"l{i}" for i in range(32)]
+    flat = Plan.from_segments(g, [ids[0:16], ids[16:32]])
+    nested = Plan.from_segments(g, [
+        Segment(ids[0:16], [Segment(ids[0:8]), Segment(ids[8:16])]),
+        Segment(ids[16:32], [Segment(ids[16:24]), Segment(ids[24:32])]),
+    ])
+    nested.validate(g)
+    assert simulate(g, nested).peak_bytes < simulate(g, flat).peak_bytes
+    assert simulate(g, nested).extra_flops > simulate(g, flat).extra_flops
+
+
+def test_plan_for_another_graph_is_refused():
+    plan = Plan.from_segments(chain(4), [["l1", "l2"]])
+    with pytest.raises(PlanMismatchError, match="made for graph"):
+        simulate(chain(5), plan)
+
+
+def test_timeline_covers_forward_backward_and_update():
+    est = simulate(mlp_graph())
+    labels = [label for label, _ in est.timeline]
+    assert labels[0] == "fwd in" and labels[-1] == "optimizer update"
+    assert "loss" in labels and "bwd d1" in labels
+    assert max(b for _, b in est.timeline) == est.peak_bytes
+
+
+def test_unknown_strategy_is_an_error():
+    with pytest.raises(ValueError, match="Unknown strategy"):
+        simulate(chain(2), strategy="magic")

@@ -1,0 +1,122 @@
+"""The `tfremat` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+_DEFAULT_SHAPES = {"inceptionv3": (139, 139, 3)}
+
+
+def load_model(name: str, *, input_shape: tuple[int, ...] | None = None,
+               classes: int = 10) -> Any:
+    """A model from a `.keras` file or a `keras.applications` name (weights=None).
+
+    Raises:
+        ValueError: the name is neither a file nor a known application.
+    """
+    import keras
+
+    if name.endswith((".keras", ".h5")) or os.path.exists(name):
+        if not os.path.exists(name):
+            raise ValueError(f"No model file {name!r}.")
+        return keras.models.load_model(name, compile=True)
+    apps = {n.lower(): n for n in dir(keras.applications) if n[0].isupper()}
+    key = name.lower()
+    if key not in apps:
+        known = ", ".join(sorted(apps.values())[:12])
+        raise ValueError(f"Unknown model {name!r}: give a .keras file or a "
+                         f"keras.applications name ({known}, ...).")
+    shape = input_shape or _DEFAULT_SHAPES.get(key, (96, 96, 3))
+    return getattr(keras.applications, apps[key])(
+        weights=None, input_shape=shape, classes=classes)
+
+
+def _parse_shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(d) for d in text.replace("x", ",").split(",") if d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-shape wants numbers like 96,96,3, got {text!r}")
+
+
+def _prepare(args: argparse.Namespace) -> Any:
+    model = load_model(args.model, input_shape=_parse_shape(args.input_shape))
+    if not model.compiled:
+        model.compile(optimizer=args.optimizer, loss="categorical_crossentropy")
+    return model
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """The MXNet note's memory cost estimation: predicted peak per strategy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import tfremat
+    from tfremat.simulate import STRATEGIES
+
+    console = Console()
+    with console.status(f"Tracing a training step of {args.model} ..."):
+        model = _prepare(args)
+        graph = tfremat.extract(model, batch_size=args.batch_size)
+    rows = [(s, tfremat.simulate(graph, strategy=s)) for s in STRATEGIES]
+    measured = None
+    if args.measure:
+        with console.status("Measuring a real training step ..."):
+            measured = tfremat.measure_peak(model, batch_size=args.batch_size,
+                                            return_details=True)
+    table = Table(title=f"{model.name}: one training step, batch {args.batch_size}, "
+                        f"{len(graph)} layer calls")
+    table.add_column("strategy")
+    table.add_column("predicted peak (MiB)", justify="right")
+    table.add_column("activations (MiB)", justify="right")
+    if measured is not None:
+        table.add_column(f"measured on {measured.device} (MiB)", justify="right")
+    for strategy, est in rows:
+        cells = [strategy, f"{est.peak_mb:,.1f}", f"{est.activation_peak_bytes / 2**20:,.1f}"]
+        if measured is not None:
+            cells.append(f"{measured.peak_mb:,.1f}" if strategy == "sharing" else "")
+        table.add_row(*cells)
+    console.print(table)
+    console.print(f"Persistent: {graph.total_persistent_bytes / 2**20:,.1f} MiB "
+                  "(weights, optimizer slots, batch). 'sharing' is what TensorFlow does.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfremat",
+        description="Plan recomputation and offload so Keras training fits a memory budget.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    est = sub.add_parser("estimate", help="predicted peak memory per strategy")
+    est.add_argument("model", help="keras.applications name (e.g. resnet50) or .keras file")
+    est.add_argument("--batch-size", type=int, default=16)
+    est.add_argument("--input-shape", default=None, help="e.g. 128,128,3")
+    est.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
+    est.add_argument("--measure", action="store_true",
+                     help="also run real steps and report the measured peak")
+    est.set_defaults(func=cmd_estimate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `tfremat` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from tfremat.errors import TfrematError
+
+    try:
+        return args.func(args)
+    except (TfrematError, ValueError) as e:
+        print(f"tfremat: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Rebuilding a functional or Sequential model with recompute segments.
+
+Each Keras Node of the original model is replayed on its own layer object
+(`node.arguments.fill_in`, as `Functional._run_through_graph` does), so the new
+model shares every layer and weight with the original. The nodes of a segment
+are replayed into a functional sub-model instead, wrapped in one
+`RecomputeSegment` layer; nested segments are sub-models inside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+from keras.src import tree
+
+from tfremat.errors import UnsupportedModelError
+from tfremat.graph.keras_graph import CallSite, as_functional
+from tfremat.planners.plan import Segment
+from tfremat.rewrite.segment_layer import RecomputeSegment
+
+
+class _Rebuild:
+    """State of one rebuild: the original call sites and who reads what."""
+
+    def __init__(self, sites: Sequence[CallSite], output_refs: Sequence[str],
+                 taken_names: set[str]) -> None:
+        self.sites = {s.id: s for s in sites}
+        self.order = {s.id: i for i, s in enumerate(sites)}
+        self.symbolic = {f"{s.id}:{i}": t
+                         for s in sites for i, t in enumerate(s.output_tensors)}
+        self.readers: dict[str, set[str]] = {}
+        for s in sites:
+            for ref in s.inputs:
+                self.readers.setdefault(ref, set()).add(s.id)
+        self.model_outputs = set(output_refs)
+        self.taken_names = taken_names
+
+    def unique_name(self, name: str) -> str:
+        candidate, k = name, 1
+        while candidate in self.taken_names:
+            candidate, k = f"{name}_{k}", k + 1
+        self.taken_names.add(candidate)
+        return candidate
+
+    def boundary(self, node_ids: set[str]) -> tuple[list[str], list[str]]:
+        """The refs a node set reads from outside and those read after it."""
+        ordered = sorted(node_ids, key=self.order.__getitem__)
+        inputs = list(dict.fromkeys(
+            ref for n in ordered for ref in self.sites[n].inputs
+            if ref.rsplit(":", 1)[0] not in node_ids))
+        outputs = [
+            f"{n}:{i}" for n in ordered
+            for i in range(len(self.sites[n].output_tensors))
+            if f"{n}:{i}" in self.model_outputs
+            or self.readers.get(f"{n}:{i}", set()) - node_ids
+        ]
+        return inputs, outputs
+
+    def run(self, node_ids: list[str], segments: Sequence[Segment],
+            env: dict[str, Any], prefix: str) -> None:
+        """Replays `node_ids` (segments as units) on the tensors in `env`."""
+        in_segment = {n for seg in segments for n in seg.nodes}
+        units: list[Any] = list(segments)
+        units += [n for n in node_ids if n not in in_segment]
+        node_sets = [set(u.nodes) if isinstance(u, Segment) else {u} for u in units]
+        pending = sorted(range(len(units)),
+                         key=lambda k: min(self.order[n] for n in node_sets[k]))
+        while pending:
+            for pos, k in enumerate(pending):
+                needs, _ = self.boundary(node_sets[k])
+                if all(ref in env for ref in needs):
+                    break
+            else:
+                raise UnsupportedModelError(
+                    f"Cannot order the layer calls {sorted(node_sets[pending[0]])}: "
+                    "their inputs are never computed.")
+            pending.pop(pos)
+            unit = units[k]
+            if isinstance(unit, Segment):
+                self.run_segment(unit, env, f"{prefix}_{k}")
+            else:
+                self.replay(self.sites[unit], env)
+
+    def replay(self, site: CallSite, env: dict[str, Any]) -> None:
+        """Calls the site's layer on the tensors of `env`, as its node did."""
+        filled = {id(t): env[ref] for t, ref in zip(site.input_tensors, site.inputs)}
+        args, kwargs = site.node.arguments.fill_in(filled)
+        outputs = tree.flatten(site.operation(*args, **kwargs))
+        for i, t in enumerate(outputs):
+            env[f"{site.id}:{i}"] = t
+
+    def run_segment(self, segment: Segment, env: dict[str, Any], name: str) -> None:
+        """Replays a segment as one `RecomputeSegment` call."""
+        name = self.unique_name(name)
+        node_ids = set(segment.nodes)
+        inputs, outputs = self.boundary(node_ids)
+        if not outputs:
+            raise UnsupportedModelError(
+                f"Segment {segment.nodes} computes nothing that the model uses.")
+        local = {}
+        for ref in inputs:
+            spec = self.symbolic[ref]
+            local[ref] = keras.Input(batch_shape=spec.shape, dtype=spec.dtype,
+                                     sparse=spec.sparse,
+                                     name=self.unique_name(f"{name}_input"))
+        sub_inputs = [local[ref] for ref in inputs]
+        ordered = sorted(node_ids, key=self.order.__getitem__)
+        self.run(ordered, segment.children, local, name)
+        submodel = keras.Model(sub_inputs, [local[ref] for ref in outputs],
+                               name=f"{name}_graph")
+        layer = RecomputeSegment(submodel, name=name)
+        results = layer([env[ref] for ref in inputs])
+        for ref, t in zip(outputs, results):
+            env[ref] = t
+
+
+def rebuild(model: keras.Model, sites: Sequence[CallSite],
+            output_refs: Sequence[str], segments: Sequence[Segment]) -> keras.Model:
+    """A new functional model sharing `model`'s layers, with recompute segments.
+
+    Args:
+        model: A functional or Sequential model.
+        sites: Its call sites (`walk`), in execution order.
+        output_refs: References of its outputs, in `model.outputs` order.
+        segments: Validated top-level recompute segments.
+
+    Returns:
+        A new `keras.Model` with the same inputs structure and outputs
+        structure, the same layer objects and weights.
+    """
+    functional = as_functional(model)
+    taken = {s.operation.name for s in sites} | {s.layer_key for s in sites}
+    state = _Rebuild(sites, output_refs, taken)
+    env: dict[str, Any] = {}
+    for s in sites:
+        if s.is_input:
+            env[f"{s.id}:0"] = s.output_tensors[0]
+    state.run([s.id for s in sites if not s.is_input], segments, env, "recompute")
+    outputs = tree.pack_sequence_as(functional._outputs_struct,
+                                    [env[ref] for ref in output_refs])
+    return keras.Model(functional._inputs_struct, outputs,
+                       name=f"{model.name}_recompute")
