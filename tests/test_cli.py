@@ -1,0 +1,26 @@
+"""The `tfremat` command."""
+
+import keras
+
+from tfremat import cli
+
+
+def test_estimate_on_a_saved_model(tmp_path, capsys):
+    inp = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(x), name="tiny")
+    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    path = str(tmp_path / "tiny.keras")
+    model.save(path)
+    assert cli.main(["estimate", path, "--batch-size", "4", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny: one training step, batch 4" in out
+    for strategy in ("none", "inplace", "sharing"):
+        assert strategy in out
+    assert "measured on CPU:0" in out
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert cli.main(["estimate", "no-such-net"]) == 2
+    assert "Unknown model 'no-such-net'" in capsys.readouterr().err
