@@ -1,0 +1,67 @@
+"""Plan pictures and summaries."""
+
+import pytest
+
+from tests.simulate.test_simulator import chain, fig2_graph
+from tfremat import Plan, Segment
+from tfremat import export
+
+
+def plan_for_chain():
+    g = chain(8)
+    ids = [f"l{i}" for i in range(8)]
+    return g, Plan.from_segments(g, [Segment(ids[0:4], [Segment(ids[0:2])]), ids[4:7]],
+                                 planner="manual", budget_bytes=64 * 2**20)
+
+
+def test_pydot_has_one_cluster_per_segment_and_every_edge():
+    g, plan = plan_for_chain()
+    dot = export.to_pydot(g, plan)
+    text = dot.to_string()
+    assert "cluster_segment_0" in text and "cluster_segment_1" in text
+    assert "cluster_segment_0.0" in text  # nested segment inside segment 0
+    edges = [(e.get_source(), e.get_destination()) for e in dot.get_edges()]
+    assert len(edges) == 8
+    assert ('"l6"', '"l7"') in edges
+    # l4..l6: l6 is read by l7 outside the segment, so only l4 and l5 are dropped.
+    assert "recompute segment 1: 3 layers, 2.0 MiB not kept" in text
+
+
+def test_dot_export_needs_no_graphviz(tmp_path, monkeypatch):
+    g, plan = plan_for_chain()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` on PATH
+    path = export.export_dot(g, plan, str(tmp_path / "plan.dot"))
+    assert open(path).read().startswith("digraph")
+
+
+def test_png_without_graphviz_names_the_fix(tmp_path, monkeypatch):
+    g, plan = plan_for_chain()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="apt-get install graphviz"):
+        export.export_dot(g, plan, str(tmp_path / "plan.png"))
+
+
+def test_png_with_graphviz_is_written(tmp_path):
+    g, plan = plan_for_chain()
+    path = export.export_dot(g, plan, str(tmp_path / "plan.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_format_is_refused(tmp_path):
+    g, plan = plan_for_chain()
+    with pytest.raises(ValueError, match="use .dot, .png"):
+        export.export_dot(g, plan, str(tmp_path / "plan.jpg"))
+
+
+def test_summary_lists_segments_and_estimates():
+    g, plan = plan_for_chain()
+    text = export.summary(g, plan)
+    assert "Plan for \"model\" by manual" in text
+    assert "segment 0" in text and "segment 1" in text and "1 nested" in text
+    assert "Predicted peak" in text and "Extra compute" in text
+
+
+def test_summary_of_an_empty_plan_says_nothing_to_do():
+    g = fig2_graph()
+    assert "the step fits as it is" in export.summary(g, Plan.from_segments(g, []))

@@ -1,0 +1,177 @@
+"""Pictures and text of a plan: the layer graph coloured by keep / recompute / offload.
+
+No TensorFlow here; pydot builds the graph and Graphviz's `dot` renders PNG/SVG.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pydot
+
+from tfremat.graph.plan_graph import PlanGraph
+from tfremat.planners.plan import Plan, Segment
+from tfremat.simulate import simulate
+
+_SEGMENT_COLOURS = ["#cfe8ff", "#d9f2d0", "#ffe8c2", "#ead9ff", "#ffd6e0", "#d6f5f5"]
+_KEEP = "#ffffff"
+_INPUT = "#e8e8e8"
+_OFFLOAD = "#ffb347"
+MIB = 2**20
+
+_NO_GRAPHVIZ = (
+    "Rendering {fmt} needs Graphviz's `dot` program, which was not found on PATH. "
+    "Install it (Debian/Ubuntu: `apt-get install graphviz`; macOS: `brew install graphviz`; "
+    "conda: `conda install graphviz`), or export to .dot, which needs no Graphviz."
+)
+
+
+def _dropped_bytes(graph: PlanGraph, seg: Segment) -> int:
+    """Bytes of a segment's outputs that nothing outside it reads: not kept."""
+    inside = set(seg.nodes)
+    consumers = graph.consumers()
+    return sum(
+        graph.node(n).outputs[i].bytes
+        for n in seg.nodes for i in range(len(graph.node(n).outputs))
+        if f"{n}:{i}" not in graph.outputs
+        and all(c in inside for c in consumers[f"{n}:{i}"]))
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:.1f} MiB" if nbytes >= MIB / 10 else f"{nbytes / 1024:.0f} KiB"
+
+
+def to_pydot(graph: PlanGraph, plan: Plan | None = None, *,
+             show_sizes: bool = True, rankdir: str = "TB") -> pydot.Dot:
+    """The layer graph as a `pydot.Dot`, coloured by the plan.
+
+    Kept layers are white, each recompute segment is a coloured cluster (nested
+    segments are clusters inside it), offloaded outputs are orange, inputs grey.
+
+    Args:
+        graph: The PlanGraph.
+        plan: A Plan for `graph`, or None for the plain graph.
+        show_sizes: Put output shapes and sizes on nodes.
+        rankdir: Graphviz layout direction, `"TB"` or `"LR"`.
+
+    Returns:
+        A `pydot.Dot`.
+    """
+    if plan is not None:
+        plan.check_graph(graph)
+    dot = pydot.Dot(graph_type="digraph", rankdir=rankdir, fontname="Helvetica",
+                    label=_title(graph, plan), labelloc="t")
+    offloaded = {o.tensor.rsplit(":", 1)[0] for o in plan.offloaded} if plan else set()
+    placed: set[str] = set()
+
+    def add_node(container: pydot.Dot | pydot.Cluster, node_id: str, fill: str) -> None:
+        node = graph.node(node_id)
+        label = f"{node.id}\\n{node.class_name}"
+        if show_sizes and node.outputs:
+            out = node.outputs[0]
+            label += f"\\n{tuple(out.shape)}  {_mib(node.output_bytes)}"
+        if node_id in offloaded:
+            fill, label = _OFFLOAD, label + "\\noffloaded"
+        container.add_node(pydot.Node(_quote(node_id), label=label, shape="box",
+                                      style="filled,rounded", fillcolor=fill,
+                                      fontname="Helvetica", fontsize="10"))
+        placed.add(node_id)
+
+    def add_segment(container: pydot.Dot | pydot.Cluster, seg: Segment, path: str,
+                    colour: str) -> None:
+        dropped = _dropped_bytes(graph, seg)
+        cluster = pydot.Cluster(
+            f"segment_{path}", label=f"recompute segment {path}: {len(seg.nodes)} layers, "
+            f"{_mib(dropped)} not kept", style="filled,dashed", fillcolor=colour,
+            fontname="Helvetica", fontsize="10")
+        for k, child in enumerate(seg.children):
+            add_segment(cluster, child, f"{path}.{k}", _SEGMENT_COLOURS[
+                (len(path) + k + 1) % len(_SEGMENT_COLOURS)])
+        for node_id in seg.nodes:
+            if node_id not in placed:
+                add_node(cluster, node_id, colour)
+        container.add_subgraph(cluster)
+
+    for i, seg in enumerate(plan.segments if plan else []):
+        add_segment(dot, seg, str(i), _SEGMENT_COLOURS[i % len(_SEGMENT_COLOURS)])
+    for node in graph:
+        if node.id not in placed:
+            add_node(dot, node.id, _INPUT if node.is_input else _KEEP)
+    for node in graph:
+        for ref in dict.fromkeys(node.inputs):
+            producer, _ = ref.rsplit(":", 1)
+            dot.add_edge(pydot.Edge(_quote(producer), _quote(node.id)))
+    return dot
+
+
+def _quote(node_id: str) -> str:
+    return '"' + node_id.replace('"', '\\"') + '"'
+
+
+def _title(graph: PlanGraph, plan: Plan | None) -> str:
+    if plan is None:
+        return f"{graph.name}: {len(graph)} layer calls"
+    est = simulate(graph, plan)
+    budget = f", budget {_mib(plan.budget_bytes)}" if plan.budget_bytes else ""
+    return (f"{graph.name}: plan by {plan.planner}{budget}; predicted peak "
+            f"{_mib(est.peak_bytes)}, +{est.overhead:.0%} compute")
+
+
+def export_dot(graph: PlanGraph, plan: Plan | None, path: str, **kwargs) -> str:
+    """Writes the plan picture to `path`: `.dot` always, `.png`/`.svg`/`.pdf`
+    through Graphviz.
+
+    Args:
+        graph: The PlanGraph.
+        plan: The Plan (or None).
+        path: Output file; its extension picks the format.
+        **kwargs: Passed to `to_pydot`.
+
+    Returns:
+        `path`.
+
+    Raises:
+        RuntimeError: Graphviz's `dot` is missing for a rendered format; the
+            message says how to install it.
+        ValueError: unknown extension.
+    """
+    fmt = os.path.splitext(path)[1].lstrip(".").lower()
+    dot = to_pydot(graph, plan, **kwargs)
+    if fmt in ("dot", "gv"):
+        with open(path, "w") as f:
+            f.write(dot.to_string())
+        return path
+    if fmt not in ("png", "svg", "pdf"):
+        raise ValueError(f"Cannot export to {path!r}: use .dot, .png, .svg or .pdf.")
+    if shutil.which("dot") is None:
+        raise RuntimeError(_NO_GRAPHVIZ.format(fmt=fmt.upper()))
+    dot.write(path, format=fmt)
+    return path
+
+
+def summary(graph: PlanGraph, plan: Plan) -> str:
+    """A `model.summary()`-like text of a plan: segments, offloads, estimates."""
+    plan.check_graph(graph)
+    plain = simulate(graph)
+    est = simulate(graph, plan)
+    lines = [f'Plan for "{graph.name}" by {plan.planner}', "=" * 72]
+    if plan.budget_bytes:
+        lines.append(f"Budget:          {_mib(plan.budget_bytes)}")
+    lines += [
+        f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
+        f"Extra compute:   +{est.overhead:.1%} of a step",
+        f"Segments:        {len(plan.segments)}; offloaded tensors: {len(plan.offloaded)}",
+        "-" * 72,
+    ]
+    if plan.is_empty:
+        lines.append("Nothing to recompute: the step fits as it is.")
+    for i, seg in enumerate(plan.segments):
+        dropped = _dropped_bytes(graph, seg)
+        nested = f", {len(seg.children)} nested" if seg.children else ""
+        lines.append(f"segment {i:<3} {len(seg.nodes):>4} layers  {_mib(dropped):>11}"
+                     f"  {seg.nodes[0]} .. {seg.nodes[-1]}{nested}")
+    for off in plan.offloaded:
+        lines.append(f"offload     {off.tensor}  (prefetch after {off.prefetch_after})")
+    lines.append("=" * 72)
+    return "\n".join(lines)
