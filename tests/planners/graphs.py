@@ -67,21 +67,25 @@ def chain(n: int, mib: float = 1.0, persistent_mib: float = 0.0) -> PlanGraph:
     return b.graph([x], persistent_mib)
 
 
-def conv_bn_relu(b: Builder, x: str, mib: float = 1.0) -> str:
+def conv_bn_relu(b: Builder, x: str, mib: float = 1.0, bn_saved_mib: float = 0.0) -> str:
     x = b.layer("Conv2D", [x], mib=mib, cost=100.0 * mib, params=4096)
-    x = b.layer("BatchNormalization", [x], mib=mib, cost=2.0 * mib, saved_mib=0.0)
+    x = b.layer("BatchNormalization", [x], mib=mib, cost=2.0 * mib, saved_mib=bn_saved_mib)
     return b.layer("ReLU", [x], mib=mib, cost=0.5 * mib, reads="output")
 
 
-def resnet_like(blocks: int, mib: float = 1.0) -> PlanGraph:
-    """Residual blocks of conv-bn-relu, conv-bn-relu, conv-bn, add, relu (10 nodes)."""
+def resnet_like(blocks: int, mib: float = 1.0, bn_saved_mib: float = 0.0) -> PlanGraph:
+    """Residual blocks of conv-bn-relu, conv-bn-relu, conv-bn, add, relu (10 nodes).
+
+    `bn_saved_mib`: internal bytes each BatchNormalization keeps for backward.
+    """
     b = Builder("resnet")
     x = b.input(mib)
     for _ in range(blocks):
-        h = conv_bn_relu(b, x, mib)
-        h = conv_bn_relu(b, h, mib)
+        h = conv_bn_relu(b, x, mib, bn_saved_mib)
+        h = conv_bn_relu(b, h, mib, bn_saved_mib)
         h = b.layer("Conv2D", [h], mib=mib, cost=100.0 * mib, params=4096)
-        h = b.layer("BatchNormalization", [h], mib=mib, cost=2.0 * mib)
+        h = b.layer("BatchNormalization", [h], mib=mib, cost=2.0 * mib,
+                    saved_mib=bn_saved_mib)
         x = b.layer("Add", [h, x], mib=mib, cost=0.2 * mib, reads="none")
         x = b.layer("ReLU", [x], mib=mib, cost=0.5 * mib, reads="output")
     return b.graph([x], persistent_mib=4.0)

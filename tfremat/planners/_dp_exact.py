@@ -17,33 +17,41 @@ from tfremat.planners._dp_model import DPModel, DPResult
 OBJECTIVES = ("time", "memory", "peak")
 
 
+#: Enumerating more lower sets than this is given up (memory), as a timeout.
+MAX_LOWER_SETS = 1_000_000
+
+
 class DPTimeout(TimeoutError):
-    """The exact DP ran past its time limit.
+    """The exact DP cannot finish: past its time limit, or too many lower sets.
 
     Attributes:
         time_limit: The limit in seconds.
         lower_sets: Lower sets enumerated before stopping (None if unknown).
     """
 
-    def __init__(self, time_limit: float, lower_sets: int | None = None) -> None:
+    def __init__(self, time_limit: float | None, lower_sets: int | None = None) -> None:
         self.time_limit = time_limit
         self.lower_sets = lower_sets
-        counted = f" after {lower_sets} lower sets" if lower_sets is not None else ""
-        super().__init__(
-            f"The exact DP did not finish within {time_limit:g} s{counted}: the graph "
-            "has too many lower sets. Use planner='approx-dp' or raise time_limit.")
+        if lower_sets is not None and lower_sets > MAX_LOWER_SETS:
+            why = f"the graph has more than {MAX_LOWER_SETS:,} lower sets"
+        else:
+            counted = f" ({lower_sets:,} lower sets)" if lower_sets is not None else ""
+            why = f"it did not finish within {time_limit:g} s{counted}"
+        super().__init__(f"The exact DP gave up: {why}. Use planner='approx-dp' or "
+                         "raise time_limit.")
 
 
 class Deadline:
-    """Raises `DPTimeout` once `time_limit` seconds have passed since creation."""
+    """Raises `DPTimeout` once `time_limit` seconds (None: no limit) have passed
+    since creation, or when more than `MAX_LOWER_SETS` lower sets are counted."""
 
     def __init__(self, time_limit: float | None) -> None:
         self.time_limit = time_limit
         self.end = math.inf if time_limit is None else time.monotonic() + time_limit
 
     def check(self, lower_sets: int | None = None) -> None:
-        if time.monotonic() > self.end:
-            raise DPTimeout(self.time_limit or 0.0, lower_sets)
+        if time.monotonic() > self.end or (lower_sets or 0) > MAX_LOWER_SETS:
+            raise DPTimeout(self.time_limit, lower_sets)
 
 
 def lower_sets(model: DPModel, deadline: Deadline) -> list[int]:
@@ -57,7 +65,7 @@ def lower_sets(model: DPModel, deadline: Deadline) -> list[int]:
         Bitsets, the empty set first and V last.
 
     Raises:
-        DPTimeout: the deadline passed.
+        DPTimeout: the deadline passed or there are more than `MAX_LOWER_SETS`.
     """
     sets = [0]
     for v in range(model.n):

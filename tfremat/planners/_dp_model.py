@@ -152,7 +152,7 @@ class DPModel:
         block = upper & ~lower
         peak = 2 * self.msum(block) + outer_upper + self.persistent
         dropped = block & ~bnd_upper
-        cost = self.tsum(block) if dropped else 0.0
+        cost = self.tsum(block) if dropped and upper != self.full else 0.0
         return peak, cost, self.msum(bnd_upper & block)
 
     def evaluate(self, sequence: Sequence[int]) -> tuple[float, int]:

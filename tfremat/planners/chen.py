@@ -245,8 +245,8 @@ def _runs(positions: Sequence[int], cuts: Sequence[int]) -> tuple[list[list[int]
 def _plan_from_cuts(graph: PlanGraph, cuts: Sequence[int], *, planner: str,
                     budget_bytes: int | None, settings: dict) -> Plan:
     positions = seg.planned_positions(graph)
-    runs, _tail = _runs(positions, cuts)
-    runs = seg.merge_shared_runs(graph, [list(range(r[0], r[-1] + 1)) for r in runs])
+    runs = [list(range(r[0], r[-1] + 1)) for r in _runs(positions, cuts)[0]]
+    runs = seg.merge_shared_runs(graph, runs)
     ids = [[graph.nodes[p].id for p in r] for r in runs]
     return seg.finish_plan(graph, seg.valid_segments(graph, ids), planner=planner,
                            budget_bytes=budget_bytes, settings=settings)

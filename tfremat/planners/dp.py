@@ -10,9 +10,13 @@ own budget is searched:
 - time-centric: the least-overhead plan whose simulated peak fits. The DP budget
   is bisected between the lowest feasible Eq. (2) peak and the peak without
   recomputation, keeping every plan the simulator accepts.
-- memory-centric (Sec. 4.4): the DP budget is the lowest feasible one and the
-  overhead is maximised, giving coarse blocks that liveness analysis serves
-  well.
+- memory-centric (Sec. 4.4): the overhead is maximised at the lowest feasible
+  DP budget, giving coarse blocks that liveness analysis serves well; as the
+  simulator often rates slightly coarser blocks lower still, the DP budgets of
+  `MEMORY_SCAN` are tried and the plan with the lowest simulated peak wins.
+
+The lowest feasible Eq. (2) budget is found directly, by a DP minimising the
+peak, rather than by bisection.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from tfremat.planners._progress import progress
 from tfremat.planners.plan import Plan
 
 STRATEGIES = ("time", "memory")
+
+#: DP budgets of the memory-centric strategy, as multiples of the lowest
+#: feasible one: coarser blocks can simulate lower (liveness), so a few are tried.
+MEMORY_SCAN = (1.0, 1.1, 1.25, 1.5, 2.0)
 
 __all__ = ["DPTimeout", "STRATEGIES", "approx_dp", "exact_dp"]
 
@@ -45,7 +53,8 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
     Args:
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes.
-        strategy: `"time"` (least overhead) or `"memory"` (memory-centric).
+        strategy: `"time"` (least overhead within budget) or `"memory"`
+            (memory-centric: the lowest simulated peak).
         time_limit: Seconds for the whole search (None: no limit).
         search_steps: Bisection steps over the DP's own budget.
         verbose: 1 or more shows a `rich` progress display.
@@ -75,7 +84,8 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
     Args:
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes.
-        strategy: `"time"` (least overhead) or `"memory"` (memory-centric).
+        strategy: `"time"` (least overhead within budget) or `"memory"`
+            (memory-centric: the lowest simulated peak).
         buckets: Bands of cached bytes kept per key (more: closer to optimal,
             slower).
         search_steps: Bisection steps over the DP's own budget.
@@ -92,7 +102,8 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
     model = DPModel.of(graph)
     tables = _dp_approx.PairTables(model)
     with progress(verbose) as track:
-        advance = track("approximate DP", search_steps + 3) if track else None
+        total = 2 + max(search_steps, len(MEMORY_SCAN))
+        advance = track("approximate DP", total) if track else None
 
         def solve(budget: float, objective: str) -> DPResult | None:
             if advance:
@@ -109,43 +120,72 @@ def _plan(graph: PlanGraph, model: DPModel, solve: _Solver, budget_bytes: int,
     """Searches the DP's budget for plans the simulator accepts."""
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
-    plans: dict[tuple[int, ...], Plan] = {}
+    search = _Search(graph, model, solve, budget_bytes, planner, settings)
+    if strategy == "memory":
+        return search.memory_centric()
+    return search.time_centric(search_steps)
 
-    def plan_of(result: DPResult, dp_budget: float) -> Plan:
+
+class _Search:
+    """DP runs at several DP budgets, each turned into a simulated Plan."""
+
+    def __init__(self, graph: PlanGraph, model: DPModel, solve: _Solver,
+                 budget_bytes: int, planner: str, settings: dict[str, Any]) -> None:
+        self.graph, self.model, self.solve = graph, model, solve
+        self.budget_bytes, self.planner, self.settings = budget_bytes, planner, settings
+        self.plans: dict[tuple[int, ...], Plan] = {}
+
+    def plan_of(self, result: DPResult, dp_budget: float) -> Plan:
+        """The simulated Plan of a lower-set sequence (cached)."""
         key = tuple(result.sequence)
-        if key not in plans:
-            blocks = seg.merge_shared_blocks(graph, model.blocks(result.sequence))
-            blocks = seg.valid_segments(graph, blocks)
-            plans[key] = seg.finish_plan(
-                graph, blocks, planner=planner, budget_bytes=budget_bytes,
-                settings=settings,
+        if key not in self.plans:
+            blocks = seg.merge_shared_blocks(self.graph, self.model.blocks(result.sequence))
+            self.plans[key] = seg.finish_plan(
+                self.graph, seg.valid_segments(self.graph, blocks), planner=self.planner,
+                budget_bytes=self.budget_bytes, settings=self.settings,
                 extra={"model_peak_bytes": result.peak, "model_overhead": result.overhead,
                        "dp_budget_bytes": dp_budget})
-        return plans[key]
+        return self.plans[key]
 
-    if strategy == "time":
-        empty = seg.finish_plan(graph, [], planner=planner, budget_bytes=budget_bytes,
-                                settings=settings)
-        if seg.fits(empty, budget_bytes):
+    def floor(self) -> DPResult:
+        """The sequence of least Eq. (2) peak (it always exists: [V] is one)."""
+        result = self.solve(math.inf, "peak")
+        assert result is not None
+        self.plan_of(result, result.peak)
+        return result
+
+    def memory_centric(self) -> Plan:
+        floor = self.floor()
+        for factor in MEMORY_SCAN:
+            result = self.solve(floor.peak * factor, "memory")
+            if result is not None:
+                self.plan_of(result, floor.peak * factor)
+        best = min(self.plans.values(), key=lambda p: (p.estimates["peak_bytes"],
+                                                       p.estimates["overhead"]))
+        if seg.fits(best, self.budget_bytes):
+            return best
+        raise seg.budget_error(self.budget_bytes, best.estimates["peak_bytes"], self.planner,
+                               f"Memory-centric DP at {len(MEMORY_SCAN)} DP budgets.")
+
+    def time_centric(self, search_steps: int) -> Plan:
+        empty = seg.finish_plan(self.graph, [], planner=self.planner,
+                                budget_bytes=self.budget_bytes, settings=self.settings)
+        if seg.fits(empty, self.budget_bytes):
             return empty
-    floor = solve(math.inf, "peak")
-    assert floor is not None  # without a budget some sequence always exists
-    lowest = plan_of(floor, floor.peak)
-    if strategy == "memory":
-        chosen = solve(floor.peak, "memory") or floor
-        return seg.best_plan([plan_of(chosen, floor.peak), lowest], budget_bytes, planner,
-                             "Memory-centric DP at the lowest feasible DP budget.")
-    first = solve(floor.peak, "time") or floor
-    if seg.fits(plan_of(first, floor.peak), budget_bytes) or seg.fits(lowest, budget_bytes):
-        low, high = float(floor.peak), float(model.evaluate([model.full])[1])
-        for _ in range(search_steps):
-            if high - low <= 5e-3 * high:
-                break
-            middle = (low + high) / 2
-            result = solve(middle, "time")
-            if result is not None and seg.fits(plan_of(result, middle), budget_bytes):
-                low = middle
-            else:
-                high = middle
-    return seg.best_plan(list(plans.values()), budget_bytes, planner,
-                         f"{len(plans)} DP plans were simulated.")
+        floor = self.floor()
+        self.plan_of(self.solve(floor.peak, "time") or floor, floor.peak)
+        if any(seg.fits(p, self.budget_bytes) for p in self.plans.values()):
+            # Bisect the DP budget for the largest one whose plan still fits.
+            low, high = float(floor.peak), float(self.model.evaluate([self.model.full])[1])
+            for _ in range(search_steps):
+                if high - low <= 5e-3 * high:
+                    break
+                middle = (low + high) / 2
+                result = self.solve(middle, "time")
+                if result is not None and seg.fits(self.plan_of(result, middle),
+                                                   self.budget_bytes):
+                    low = middle
+                else:
+                    high = middle
+        return seg.best_plan(list(self.plans.values()), self.budget_bytes, self.planner,
+                             f"{len(self.plans)} DP plans were simulated.")

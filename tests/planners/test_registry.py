@@ -1,0 +1,128 @@
+"""The planner registry and "auto": every plan valid, within budget, or a
+BudgetError whose minimum can be planned for."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from tfremat.errors import BudgetError
+from tfremat.planners.plan import Plan
+from tfremat.planners.registry import PLANNERS, make_plan, min_feasible_budget
+from tfremat.simulate import simulate
+
+from tests.planners import graphs as G
+
+MIB = 2**20
+
+GRAPHS = {
+    "chain": lambda: G.chain(50),
+    "resnet": lambda: G.resnet_like(5, bn_saved_mib=0.5),
+    "unet": lambda: G.unet_like(3),
+    "densenet": lambda: G.densenet_like(5),
+    "shared": lambda: G.shared_layers(6),
+    "random": lambda: G.random_dag(7, 30, extra_edges=6),
+}
+
+
+def test_registry_names_the_six_planners():
+    assert set(PLANNERS) == {"chen-sqrt", "chen-greedy", "chen-drop-cheap",
+                             "chen-recursive", "exact-dp", "approx-dp"}
+
+
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+@pytest.mark.parametrize("planner", ["auto", *sorted(PLANNERS)])
+def test_every_plan_is_valid_and_meets_its_budget(planner, graph_name):
+    graph = GRAPHS[graph_name]()
+    budget = int(simulate(graph).peak_bytes * 0.7)
+    try:
+        plan = make_plan(graph, budget, planner)
+    except BudgetError as err:
+        minimum = round(err.min_budget_mb * MIB)
+        assert minimum > budget
+        assert f"{err.min_budget_mb:.1f} MiB" in str(err)
+        plan = make_plan(graph, minimum, planner)
+        budget = minimum
+    plan.validate(graph)
+    assert plan.budget_bytes == budget
+    assert plan.planner in PLANNERS
+    assert plan.estimates["peak_bytes"] == simulate(graph, plan).peak_bytes <= budget
+    assert {"peak_bytes", "overhead", "extra_compute"} <= set(plan.estimates)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_auto_returns_an_empty_plan_when_the_step_fits():
+    graph = G.resnet_like(3)
+    plan = make_plan(graph, simulate(graph).peak_bytes)
+    assert plan.is_empty and plan.planner == "auto"
+    assert "no rewrite needed" in plan.estimates["note"]
+    assert plan.estimates["overhead"] == 0
+
+
+def test_auto_budget_error_carries_the_minimum_across_planners():
+    graph = G.chain(40)
+    minimum = min_feasible_budget(graph)
+    with pytest.raises(BudgetError) as info:
+        make_plan(graph, minimum - 1)
+    assert info.value.min_budget_mb == minimum / MIB
+    assert "approx-dp" in str(info.value) and "chen-recursive" in str(info.value)
+    plan = make_plan(graph, minimum)
+    assert plan.estimates["peak_bytes"] <= minimum
+    # Recursion reaches below one level of segments on a chain.
+    assert minimum < min_feasible_budget(graph, "approx-dp")
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_min_feasible_budget_is_tight(planner):
+    graph = G.resnet_like(4)
+    minimum = min_feasible_budget(graph, planner)
+    plan = make_plan(graph, minimum, planner)
+    assert plan.estimates["peak_bytes"] <= minimum
+    with pytest.raises(BudgetError):
+        make_plan(graph, minimum - 1, planner)
+
+
+def test_exact_dp_timeout_falls_back_to_approx_dp_with_a_warning():
+    wide = G.Builder("wide")
+    x = wide.input()
+    graph = wide.graph([wide.layer("Dense", [x]) for _ in range(40)])
+    with pytest.warns(UserWarning, match="Falling back to the approximate DP"):
+        plan = make_plan(graph, 10**12, "exact-dp", time_limit=0.1)
+    assert plan.planner == "approx-dp"
+
+
+def test_strategy_reaches_the_dp_planners():
+    graph = G.chain(30)
+    budget = int(simulate(graph).peak_bytes * 0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memory = make_plan(graph, budget, "approx-dp", strategy="memory")
+    assert memory.settings["strategy"] == "memory"
+    time_plan = make_plan(graph, budget, "approx-dp", strategy="time")
+    assert memory.estimates["overhead"] > time_plan.estimates["overhead"]
+
+
+def test_unknown_planner_or_strategy_is_refused():
+    graph = G.chain(4)
+    with pytest.raises(ValueError, match="Unknown planner"):
+        make_plan(graph, 10**9, "magic")
+    with pytest.raises(ValueError, match="Unknown strategy"):
+        make_plan(graph, 10**9, strategy="fast")
+
+
+def test_planners_import_neither_tensorflow_nor_keras():
+    code = ("import sys, tfremat.planners, tfremat.planners.registry; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("planner", ["exact-dp", "approx-dp"])
+def test_verbose_dp_shows_rich_progress(planner, capsys):
+    graph = G.unet_like(2)
+    budget = int(simulate(graph).peak_bytes * 0.8)
+    quiet = make_plan(graph, budget, planner)
+    loud = make_plan(graph, budget, planner, verbose=2)
+    assert "DP" in capsys.readouterr().out
+    assert loud.segments == quiet.segments
