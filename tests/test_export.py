@@ -30,7 +30,7 @@ def test_pydot_has_one_cluster_per_segment_and_every_edge():
 def test_dot_export_needs_no_graphviz(tmp_path, monkeypatch):
     g, plan = plan_for_chain()
     monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` on PATH
-    path = export.export_dot(g, plan, str(tmp_path / "plan.dot"))
+    path = export.export_dot(plan, str(tmp_path / "plan.dot"), graph=g)
     assert open(path).read().startswith("digraph")
 
 
@@ -38,12 +38,13 @@ def test_png_without_graphviz_names_the_fix(tmp_path, monkeypatch):
     g, plan = plan_for_chain()
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="apt-get install graphviz"):
-        export.export_dot(g, plan, str(tmp_path / "plan.png"))
+        export.export_dot(plan, str(tmp_path / "plan.png"), graph=g)
 
 
 def test_png_with_graphviz_is_written(tmp_path):
     g, plan = plan_for_chain()
-    path = export.export_dot(g, plan, str(tmp_path / "plan.png"))
+    plan.graph = g
+    path = export.export_dot(plan, str(tmp_path / "plan.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -51,7 +52,7 @@ def test_png_with_graphviz_is_written(tmp_path):
 def test_unknown_format_is_refused(tmp_path):
     g, plan = plan_for_chain()
     with pytest.raises(ValueError, match="use .dot, .png"):
-        export.export_dot(g, plan, str(tmp_path / "plan.jpg"))
+        export.export_dot(plan, str(tmp_path / "plan.jpg"), graph=g)
 
 
 def test_summary_lists_segments_and_estimates():
@@ -65,3 +66,15 @@ def test_summary_lists_segments_and_estimates():
 def test_summary_of_an_empty_plan_says_nothing_to_do():
     g = fig2_graph()
     assert "the step fits as it is" in export.summary(g, Plan.from_segments(g, []))
+
+
+def test_plan_methods_use_the_graph_they_carry(capsys):
+    g, plan = plan_for_chain()
+    with pytest.raises(ValueError, match="carries no PlanGraph"):
+        plan.summary()
+    plan.graph = g
+    plan.summary()
+    assert "segment 1" in capsys.readouterr().out
+    assert plan.to_pydot().get_subgraph("cluster_segment_1")
+    # The graph is not part of the plan's JSON.
+    assert "graph\"" not in plan.to_json()

@@ -23,12 +23,16 @@ from tfremat.errors import (
 )
 from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
 from tfremat.planners.plan import Offload, Plan, Segment
+from tfremat.export import export_dot, summary
 from tfremat.simulate import Estimate, simulate
 
 __version__ = "0.1.0"
 
 # Public names living in modules that import TensorFlow: loaded on first access.
 _LAZY = {
+    "plan": "tfremat.api",
+    "rewrite": "tfremat.api",
+    "Planner": "tfremat.callbacks",
     "extract": "tfremat.graph.extract",
     "measure_peak": "tfremat.memory",
     "MeasuredPeak": "tfremat.memory",
@@ -51,6 +55,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BackendError", "BudgetError", "Estimate", "Node", "Offload", "Plan",
     "PlanGraph", "PlanMismatchError", "PlanValidationError", "Segment",
-    "TensorInfo", "TfrematError", "UnsupportedModelError", "simulate",
+    "TensorInfo", "TfrematError", "UnsupportedModelError", "export_dot", "simulate",
+    "summary",
     *_LAZY,
 ]

@@ -58,6 +58,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     import tfremat
+    from tfremat.planners.registry import PLANNERS
     from tfremat.simulate import STRATEGIES
 
     console = Console()
@@ -65,6 +66,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         model = _prepare(args)
         graph = tfremat.extract(model, batch_size=args.batch_size)
     rows = [(s, tfremat.simulate(graph, strategy=s)) for s in STRATEGIES]
+    # Chen et al.'s "drop bn-relu" and "sublinear plan" rows: sharing plus a plan.
+    for label, name in (("drop-cheap-ops", "chen-drop-cheap"), ("sublinear (sqrt n)", "chen-sqrt")):
+        rows.append((label, tfremat.simulate(graph, PLANNERS[name](graph))))
     measured = None
     if args.measure:
         with console.status("Measuring a real training step ..."):
@@ -75,10 +79,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     table.add_column("strategy")
     table.add_column("predicted peak (MiB)", justify="right")
     table.add_column("activations (MiB)", justify="right")
+    table.add_column("extra compute", justify="right")
     if measured is not None:
         table.add_column(f"measured on {measured.device} (MiB)", justify="right")
     for strategy, est in rows:
-        cells = [strategy, f"{est.peak_mb:,.1f}", f"{est.activation_peak_bytes / 2**20:,.1f}"]
+        cells = [strategy, f"{est.peak_mb:,.1f}", f"{est.activation_peak_bytes / 2**20:,.1f}",
+                 f"+{est.overhead:.0%}" if est.overhead else ""]
         if measured is not None:
             cells.append(f"{measured.peak_mb:,.1f}" if strategy == "sharing" else "")
         table.add_row(*cells)
@@ -86,6 +92,49 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     console.print(f"Persistent: {graph.total_persistent_bytes / 2**20:,.1f} MiB "
                   "(weights, optimizer slots, batch). 'sharing' is what TensorFlow does.")
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plans a model under a budget: summary, optional picture, JSON and measurement."""
+    from rich.console import Console
+
+    import tfremat
+    from tfremat.export import export_dot, summary
+
+    console = Console()
+    with console.status(f"Tracing a training step of {args.model} ..."):
+        model = _prepare(args)
+        graph = tfremat.extract(model, batch_size=args.batch_size)
+    with console.status(f"Planning with {args.planner} ..."):
+        plan = tfremat.plan(model, args.budget_mb, graph=graph, planner=args.planner,
+                            strategy=args.strategy)
+    console.print(summary(graph, plan), highlight=False)
+    if args.export:
+        export_dot(plan, args.export)
+        console.print(f"Plan picture written to {args.export}")
+    if args.json:
+        plan.to_json(args.json)
+        console.print(f"Plan written to {args.json}")
+    if args.measure:
+        with console.status("Measuring the rewritten model ..."):
+            rewritten = tfremat.rewrite(model, plan)
+            if rewritten is not model:
+                rewritten.compile(optimizer=model.optimizer, loss=model.loss)
+            measured = tfremat.measure_peak(rewritten, batch_size=args.batch_size,
+                                            return_details=True)
+        console.print(f"Measured peak on {measured.device}: {measured.peak_mb:,.1f} MiB "
+                      f"(budget {args.budget_mb:,.1f} MiB)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Trains a ResNet-style model under a budget its plain step exceeds."""
+    from tfremat.demo import run_demo
+
+    result = run_demo(batch_size=args.batch_size, steps=args.steps, epochs=args.epochs,
+                      budget_fraction=args.budget_fraction, export=args.export)
+    over = [p for p in result["peak_memory_mb"] if p > result["budget_mb"]]
+    return 1 if over else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +151,30 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--measure", action="store_true",
                      help="also run real steps and report the measured peak")
     est.set_defaults(func=cmd_estimate)
+
+    pl = sub.add_parser("plan", help="plan recomputation under a memory budget")
+    pl.add_argument("model", help="keras.applications name or .keras file")
+    pl.add_argument("--budget-mb", type=float, required=True,
+                    help="device budget for a whole step, MiB, weights included")
+    pl.add_argument("--batch-size", type=int, default=16)
+    pl.add_argument("--input-shape", default=None)
+    pl.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
+    pl.add_argument("--planner", default="auto")
+    pl.add_argument("--strategy", default="time", choices=("time", "memory"))
+    pl.add_argument("--export", default=None, help="plan picture: .png, .svg or .dot")
+    pl.add_argument("--json", default=None, help="write the plan as JSON")
+    pl.add_argument("--measure", action="store_true",
+                    help="rewrite the model and measure its peak")
+    pl.set_defaults(func=cmd_plan)
+
+    demo = sub.add_parser("demo", help="train a ResNet-style model under a budget")
+    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--steps", type=int, default=8, help="steps per epoch")
+    demo.add_argument("--epochs", type=int, default=2)
+    demo.add_argument("--budget-fraction", type=float, default=0.6,
+                      help="budget as a fraction of the measured plain peak")
+    demo.add_argument("--export", default="tfremat_plan.png")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

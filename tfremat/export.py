@@ -118,14 +118,15 @@ def _title(graph: PlanGraph, plan: Plan | None) -> str:
             f"{_mib(est.peak_bytes)}, +{est.overhead:.0%} compute")
 
 
-def export_dot(graph: PlanGraph, plan: Plan | None, path: str, **kwargs) -> str:
+def export_dot(plan: Plan, path: str, *, graph: PlanGraph | None = None,
+               **kwargs) -> str:
     """Writes the plan picture to `path`: `.dot` always, `.png`/`.svg`/`.pdf`
     through Graphviz.
 
     Args:
-        graph: The PlanGraph.
-        plan: The Plan (or None).
+        plan: The Plan.
         path: Output file; its extension picks the format.
+        graph: The PlanGraph, when the plan does not carry one.
         **kwargs: Passed to `to_pydot`.
 
     Returns:
@@ -135,15 +136,19 @@ def export_dot(graph: PlanGraph, plan: Plan | None, path: str, **kwargs) -> str:
         RuntimeError: Graphviz's `dot` is missing for a rendered format; the
             message says how to install it.
         ValueError: unknown extension.
+
+    Example:
+
+    >>> tfremat.export_dot(tfremat.plan(model, budget_mb=600, batch_size=32), "plan.png")
     """
     fmt = os.path.splitext(path)[1].lstrip(".").lower()
-    dot = to_pydot(graph, plan, **kwargs)
+    if fmt not in ("dot", "gv", "png", "svg", "pdf"):
+        raise ValueError(f"Cannot export to {path!r}: use .dot, .png, .svg or .pdf.")
+    dot = plan.to_pydot(graph, **kwargs)
     if fmt in ("dot", "gv"):
         with open(path, "w") as f:
             f.write(dot.to_string())
         return path
-    if fmt not in ("png", "svg", "pdf"):
-        raise ValueError(f"Cannot export to {path!r}: use .dot, .png, .svg or .pdf.")
     if shutil.which("dot") is None:
         raise RuntimeError(_NO_GRAPHVIZ.format(fmt=fmt.upper()))
     dot.write(path, format=fmt)

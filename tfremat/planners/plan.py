@@ -71,6 +71,8 @@ class Plan:
         offloaded: Offloaded tensors.
         estimates: The planner's estimates, e.g. `"peak_bytes"`,
             `"host_peak_bytes"`, `"extra_compute"`.
+        graph: The PlanGraph planned for, when known (set by `tfremat.plan`;
+            not serialised: a plan read from JSON has none).
     """
 
     graph_fingerprint: str
@@ -80,6 +82,7 @@ class Plan:
     segments: list[Segment] = dataclasses.field(default_factory=list)
     offloaded: list[Offload] = dataclasses.field(default_factory=list)
     estimates: dict[str, Any] = dataclasses.field(default_factory=dict)
+    graph: PlanGraph | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_segments(cls, graph: PlanGraph, segments: list[list[str]] | list[Segment],
@@ -95,6 +98,33 @@ class Plan:
     def recomputed_nodes(self) -> set[str]:
         """Ids of all nodes inside a top-level segment."""
         return {n for s in self.segments for n in s.nodes}
+
+    # -- presentation ----------------------------------------------------
+
+    def _graph_or(self, graph: PlanGraph | None) -> PlanGraph:
+        graph = graph if graph is not None else self.graph
+        if graph is None:
+            raise ValueError("This plan carries no PlanGraph (it was read from JSON or "
+                             "built by hand): pass graph=tfremat.extract(model, ...).")
+        return graph
+
+    def summary(self, graph: PlanGraph | None = None, print_fn: Any = None) -> None:
+        """Prints segments, offloads and estimates, like `model.summary()`.
+
+        Args:
+            graph: The PlanGraph, when the plan does not carry one.
+            print_fn: Function printing the text (default `print`).
+        """
+        from tfremat.export import summary
+
+        (print_fn or print)(summary(self._graph_or(graph), self))
+
+    def to_pydot(self, graph: PlanGraph | None = None, **kwargs: Any) -> Any:
+        """The layer graph as a `pydot.Dot` coloured by this plan
+        (see `tfremat.export.to_pydot`)."""
+        from tfremat.export import to_pydot
+
+        return to_pydot(self._graph_or(graph), self, **kwargs)
 
     # -- checks ----------------------------------------------------------
 

@@ -32,10 +32,12 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     """Plans recomputation for `graph` under a device budget.
 
     With `planner="auto"`: when the step already fits, an empty plan (no
-    rewrite needed); otherwise the approximate DP with `strategy`, then with
-    the other strategy, then the exact DP on graphs of at most
-    `EXACT_DP_MAX_NODES` nodes, then `chen-recursive` (nested segments reach
-    below what one level of segments can); the first plan that fits wins.
+    rewrite needed). Otherwise, first the approximate DP with `strategy` (and
+    the exact DP on graphs of at most `EXACT_DP_MAX_NODES` nodes), Chen's
+    greedy and sqrt(n) plans: the one that fits with the least extra compute
+    wins. When none fits, the DPs with the other strategy and `chen-recursive`
+    (nested segments reach below one level of segments), again the cheapest
+    that fits.
 
     Args:
         graph: The PlanGraph.
@@ -121,31 +123,41 @@ def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float 
                        "note": "The step fits the budget without recomputation: "
                                "no rewrite needed."})
     other = "memory" if strategy == "time" else "time"
-    attempts: list[tuple[str, Callable[[], Plan]]] = [
-        (f"approx-dp ({s})", lambda s=s: approx_dp(graph, budget_bytes, strategy=s,
-                                                   verbose=verbose, **settings))
-        for s in (strategy, other)]
-    if len(graph) <= EXACT_DP_MAX_NODES:
-        attempts += [
-            (f"exact-dp ({s})", lambda s=s: exact_dp(graph, budget_bytes, strategy=s,
-                                                     time_limit=time_limit,
-                                                     verbose=verbose))
-            for s in (strategy, other)]
-    attempts.append(("chen-recursive", lambda: chen_recursive(graph, budget_bytes)))
+
+    def dp(name: str, s: str) -> tuple[str, Callable[[], Plan]]:
+        if name == "approx-dp":
+            return (f"approx-dp ({s})", lambda: approx_dp(
+                graph, budget_bytes, strategy=s, verbose=verbose, **settings))
+        return (f"exact-dp ({s})", lambda: exact_dp(
+            graph, budget_bytes, strategy=s, time_limit=time_limit, verbose=verbose))
+
+    small = len(graph) <= EXACT_DP_MAX_NODES
+    # Phase 1: the cheapest plan among those aiming at little recomputation.
+    first = [dp("approx-dp", strategy)] + ([dp("exact-dp", strategy)] if small else []) + [
+        ("chen-greedy", lambda: chen_greedy(graph, budget_bytes)),
+        ("chen-sqrt", lambda: chen_sqrt(graph, budget_bytes))]
+    # Phase 2, when none fits: strategies that trade more compute for memory.
+    second = [dp("approx-dp", other)] + ([dp("exact-dp", other)] if small else []) + [
+        ("chen-recursive", lambda: chen_recursive(graph, budget_bytes))]
     minimum = est.peak_bytes
-    tried = []
-    for name, attempt in attempts:
-        try:
-            plan = attempt()
-        except BudgetError as err:
-            minimum = min(minimum, round(err.min_budget_mb * seg.MIB))
-            tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
-            continue
-        except DPTimeout as err:
-            warnings.warn(f"{err} Skipping it.", stacklevel=3)
-            tried.append(f"{name}: timed out")
-            continue
-        plan.estimates["note"] = f"Chosen by planner='auto' after: {tried or 'none'}."
-        return plan
+    tried: list[str] = []
+    for phase in (first, second):
+        fitting: list[Plan] = []
+        for name, attempt in phase:
+            try:
+                fitting.append(attempt())
+                tried.append(f"{name}: fits")
+            except BudgetError as err:
+                minimum = min(minimum, round(err.min_budget_mb * seg.MIB))
+                tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
+            except DPTimeout as err:
+                warnings.warn(f"{err} Skipping it.", stacklevel=3)
+                tried.append(f"{name}: timed out")
+        if fitting:
+            plan = min(fitting, key=lambda p: (p.estimates["overhead"],
+                                               p.estimates["peak_bytes"]))
+            plan.estimates["note"] = (f"Chosen by planner='auto' (least extra compute "
+                                      f"among plans that fit) after: {'; '.join(tried)}.")
+            return plan
     raise seg.budget_error(budget_bytes, minimum, "auto",
                            "Smallest peaks reached: " + "; ".join(tried) + ".")

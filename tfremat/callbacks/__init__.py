@@ -1,0 +1,5 @@
+"""Keras callbacks of tfremat."""
+
+from tfremat.callbacks.planner import Planner
+
+__all__ = ["Planner"]
