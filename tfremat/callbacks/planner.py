@@ -108,6 +108,7 @@ class Planner(keras.callbacks.Callback):
             if not nxt.has_value():
                 break
             batches.append(nxt.get_value())
+        batches = [self._global_batch(b) for b in batches]
         x, y = self._split(batches[0])
         try:
             self.graph = extract(model, sample=(x, y))
@@ -116,16 +117,40 @@ class Planner(keras.callbacks.Callback):
             # fit does not call on_train_end when a step raises: undo here.
             self.on_train_end()
             raise
-        dataset = tf.data.Dataset.from_tensors(batches[0])
-        for b in batches[1:]:
-            dataset = dataset.concatenate(tf.data.Dataset.from_tensors(b))
-        return model.train_function(iter(dataset))
+        return model.train_function(self._iterator_of(batches))
 
-    @staticmethod
-    def _split(data: Any) -> tuple[Any, Any]:
+    def _global_batch(self, batch: Any) -> Any:
+        """A batch as one tensor per leaf (replica parts joined, in order)."""
+        local = self.model.distribute_strategy.experimental_local_results
+
+        def join(v: Any) -> Any:
+            if isinstance(v, tf.distribute.DistributedValues):
+                return tf.concat(local(v), axis=0)
+            return v
+
+        return tf.nest.map_structure(join, batch)
+
+    def _iterator_of(self, batches: list[Any]) -> Any:
+        """An iterator giving `batches` again, distributed as fit's was."""
+        size = int(tf.nest.flatten(batches[0])[0].shape[0])
+        joined = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *batches)
+        dataset = tf.data.Dataset.from_tensor_slices(joined).batch(size)
+        strategy = self.model.distribute_strategy
+        if strategy.num_replicas_in_sync > 1:
+            dataset = strategy.experimental_distribute_dataset(dataset)
+        return iter(dataset)
+
+    def _split(self, data: Any) -> tuple[Any, Any]:
+        """Zero arrays shaped like one device's share of the batch."""
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        to_np = lambda t: np.zeros(t.shape, t.dtype.as_numpy_dtype)  # noqa: E731
-        return tf.nest.map_structure(to_np, x), tf.nest.map_structure(to_np, y)
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+
+        def zeros(t: tf.Tensor) -> np.ndarray:
+            shape = t.shape.as_list()
+            shape[0] //= replicas
+            return np.zeros(shape, t.dtype.as_numpy_dtype)
+
+        return tf.nest.map_structure(zeros, x), tf.nest.map_structure(zeros, y)
 
     def _make_plan(self, budget_mb: float) -> Plan:
         try:

@@ -1,0 +1,158 @@
+"""The Planner callback inside model.fit."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat.callbacks import planner as planner_module
+from tfremat.demo import resnet_style
+
+BATCH = 16
+
+
+def make_model(seed: int = 3, **compile_kwargs) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = resnet_style(image_size=48, width=16, blocks=(2, 2))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy",
+                  **compile_kwargs)
+    return model
+
+
+def data(steps: int = 4):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH * steps, 48, 48, 3)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 10, BATCH * steps), 10)
+    return x, y
+
+
+def plain_fit_peak(x, y) -> float:
+    watch = tfremat.Planner(1e9, verbose=0)
+    make_model().fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+                     callbacks=[watch])
+    return watch.epoch_peaks_mb[-1]
+
+
+@pytest.fixture(scope="module")
+def budget_mb():
+    x, y = data()
+    return round(plain_fit_peak(x, y) * 0.7)
+
+
+def test_trains_under_budget_with_the_same_losses(budget_mb, tmp_path):
+    x, y = data()
+    plain = make_model()
+    plain_hist = plain.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    model = make_model()
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    hist = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                     callbacks=[planner])
+    assert not planner.plan.is_empty
+    assert all(p <= budget_mb for p in hist.history["peak_memory_mb"]), hist.history
+    assert len(hist.history["predicted_peak_mb"]) == 2
+    np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-4)
+    # The user's model object is intact: same class, predicts like the plain one, saves.
+    assert "call" not in vars(model)
+    np.testing.assert_allclose(model.predict(x[:4], verbose=0), plain.predict(x[:4], verbose=0),
+                               rtol=1e-3, atol=1e-5)
+    model.save(tmp_path / "m.keras")
+    assert keras.models.load_model(tmp_path / "m.keras").count_params() == model.count_params()
+
+
+def test_budget_below_minimum_states_it(budget_mb):
+    x, y = data(1)
+    model = make_model()
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(tfremat.BudgetError, match="smallest feasible budget is") as err:
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[tfremat.Planner(1.0)])
+    assert err.value.min_budget_mb > 1.0
+    # Nothing trained, and the model still fits normally afterwards.
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert model.train_function is None or "call" not in vars(model)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+def test_budget_that_fits_needs_no_rewrite(capsys):
+    x, y = data(2)
+    model = make_model()
+    planner = tfremat.Planner(1e6, verbose=1)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    assert planner.plan.is_empty
+    assert "without rewriting" in capsys.readouterr().out
+
+
+def test_too_optimistic_first_plan_is_replanned(budget_mb, monkeypatch):
+    x, y = data()
+    real_plan = planner_module.api.plan
+    calls = []
+
+    def optimistic_then_real(model, budget, **kwargs):
+        calls.append(budget)
+        if len(calls) == 1:  # claims the step fits: no recomputation at all
+            graph = kwargs["graph"]
+            return tfremat.Plan.from_segments(graph, [], planner="optimistic")
+        return real_plan(model, budget, **kwargs)
+
+    monkeypatch.setattr(planner_module.api, "plan", optimistic_then_real)
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[planner])
+    assert planner.replans == 1
+    assert calls[1] < budget_mb  # the measured excess was taken off the budget
+    assert hist.history["peak_memory_mb"][-1] <= budget_mb
+
+
+def test_plan_picture_is_exported(budget_mb, tmp_path):
+    x, y = data(2)
+    path = tmp_path / "plan.svg"
+    make_model().fit(x, y, batch_size=BATCH, verbose=0,
+                     callbacks=[tfremat.Planner(budget_mb, verbose=0, export=str(path))])
+    assert path.read_text().lstrip().startswith("<?xml")
+
+
+@pytest.mark.parametrize("options", [
+    {"jit_compile": True},
+    {"steps_per_execution": 2},
+])
+def test_compile_options(budget_mb, options):
+    x, y = data()
+    plain_hist = make_model(**options).fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                                          shuffle=False)
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    hist = make_model(**options).fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                                     shuffle=False, callbacks=[planner])
+    assert not planner.plan.is_empty
+    np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-4)
+
+
+def test_tf_data_input_with_validation(budget_mb):
+    x, y = data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    hist = make_model().fit(ds, validation_data=ds, epochs=1, verbose=0, callbacks=[planner])
+    assert "val_loss" in hist.history and "peak_memory_mb" in hist.history
+
+
+def test_csv_logger_records_the_peaks(budget_mb, tmp_path):
+    x, y = data(2)
+    path = tmp_path / "log.csv"
+    make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+        tfremat.Planner(budget_mb, verbose=0), keras.callbacks.CSVLogger(str(path))])
+    header = path.read_text().splitlines()[0]
+    assert "peak_memory_mb" in header and "predicted_peak_mb" in header
+
+
+def test_mirrored_strategy_on_two_logical_cpus(budget_mb):
+    x, y = data()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        plain = make_model()
+    plain_hist = plain.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    with strategy.scope():
+        model = make_model()
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    hist = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+                     callbacks=[planner])
+    assert not planner.plan.is_empty
+    np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-4)
