@@ -20,7 +20,7 @@ MIB = 2**20
 
 def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", strategy: str = "time",
-         time_limit: float = 60.0, verbose: int = 0,
+         offload: bool = False, time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
@@ -35,6 +35,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             `"chen-drop-cheap"`, `"chen-recursive"`, `"exact-dp"`, `"approx-dp"`.
         strategy: `"time"` (least recomputation under the budget) or `"memory"`
             (Kusumoto et al.'s memory-centric strategy) for the DP planners.
+        offload: Let `"auto"` offload activations to host memory when
+            recomputation alone cannot meet the budget. Off by default: the
+            rewriter does not apply offload boundaries yet.
         time_limit: Seconds the exact DP may take before falling back.
         verbose: 1 to show progress of long searches.
         graph: The model's PlanGraph, if already extracted.
@@ -53,8 +56,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     """
     if graph is None:
         graph = extract(model, batch_size=batch_size, sample=sample)
+    settings = {"offload": offload} if planner == "auto" else {}
     result = make_plan(graph, int(budget_mb * MIB), planner=planner, strategy=strategy,
-                       time_limit=time_limit, verbose=verbose)
+                       time_limit=time_limit, verbose=verbose, **settings)
     result.graph = graph
     return result
 

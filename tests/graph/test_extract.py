@@ -204,3 +204,17 @@ def test_prediction_matches_measurement_on_a_cnn():
     predicted = tfremat.simulate(tfremat.extract(model, batch_size=16)).peak_bytes
     measured = tfremat.measure_peak(model, batch_size=16)
     assert abs(predicted / measured - 1) < 0.10, (predicted / 2**20, measured / 2**20)
+
+
+def test_measured_layer_times_fill_the_nodes_and_keep_the_weights():
+    model = residual_cnn()
+    before = [w.copy() for w in model.get_weights()]
+    g = tfremat.extract(model, batch_size=4, measure_times=True)
+    assert all(w is not None and w > 0 for n in g if not n.is_input
+               for w in (n.seconds_forward,))
+    assert g.node("conv").seconds_backward is not None
+    # Costs switch to seconds; the structure and its fingerprint do not change.
+    assert g.node("conv").forward_cost == g.node("conv").seconds_forward
+    assert g.fingerprint() == tfremat.extract(model, batch_size=4).fingerprint()
+    # BatchNorm's moving statistics were restored after timing in training mode.
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfremat.backend import require_tensorflow
 from tfremat.graph import costs
 from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
+from tfremat.graph.timing import measure_layer_times
 from tfremat.graph.trace import TracedStep, trace
 
 LOSS = "<loss>"
@@ -28,7 +29,7 @@ _Root = tuple[int, int]  # (op index, output index) of the buffer's first tensor
 
 
 def extract(model: keras.Model, *, batch_size: int | None = None,
-            sample: Any = None) -> PlanGraph:
+            sample: Any = None, measure_times: bool = False) -> PlanGraph:
     """Traces a training step of `model` and builds its PlanGraph.
 
     Nested functional models are flattened (their layers become nodes with ids
@@ -40,6 +41,9 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
         batch_size: Batch size, when the input shapes come from `model.inputs`.
         sample: One training batch `(x, y)` (or `x`), or a `tf.data.Dataset`
             of batches; its shapes and dtypes define the step.
+        measure_times: Also run each layer call alone to measure its forward
+            and backward seconds (functional and Sequential models; takes about
+            a second per layer). Planners then use seconds instead of FLOPs.
 
     Returns:
         The `PlanGraph` of one training step.
@@ -56,7 +60,10 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
     """
     require_tensorflow()
     traced = trace(model, batch_size=batch_size, sample=sample)
-    return build_plan_graph(model, traced)
+    graph = build_plan_graph(model, traced)
+    if measure_times and not graph.metadata["subclassed"]:
+        measure_layer_times(model, graph)
+    return graph
 
 
 class _Dataflow:
