@@ -45,6 +45,14 @@ def _parse_shape(text: str | None) -> tuple[int, ...] | None:
         raise argparse.ArgumentTypeError(f"--input-shape wants numbers like 96,96,3, got {text!r}")
 
 
+def _console() -> Any:
+    """A rich console at least 100 columns wide, so tables keep their headers
+    on one line when output goes to a file or a narrow terminal."""
+    from rich.console import Console
+
+    return Console(width=max(Console().width, 100))
+
+
 def _prepare(args: argparse.Namespace) -> Any:
     model = load_model(args.model, input_shape=_parse_shape(args.input_shape))
     if not model.compiled:
@@ -54,14 +62,13 @@ def _prepare(args: argparse.Namespace) -> Any:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """The MXNet note's memory cost estimation: predicted peak per strategy."""
-    from rich.console import Console
     from rich.table import Table
 
     import tfremat
     from tfremat.planners.registry import PLANNERS
     from tfremat.simulate import STRATEGIES
 
-    console = Console()
+    console = _console()
     with console.status(f"Tracing a training step of {args.model} ..."):
         model = _prepare(args)
         graph = tfremat.extract(model, batch_size=args.batch_size)
@@ -74,14 +81,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         with console.status("Measuring a real training step ..."):
             measured = tfremat.measure_peak(model, batch_size=args.batch_size,
                                             return_details=True)
-    table = Table(title=f"{model.name}: one training step, batch {args.batch_size}, "
-                        f"{len(graph)} layer calls")
+    title = f"{model.name}: one training step, batch {args.batch_size}, {len(graph)} layer calls"
+    if measured is not None:
+        title += f", measured on {measured.device}"
+    table = Table(title=title)
     table.add_column("strategy")
     table.add_column("predicted peak (MiB)", justify="right")
     table.add_column("activations (MiB)", justify="right")
     table.add_column("extra compute", justify="right")
     if measured is not None:
-        table.add_column(f"measured on {measured.device} (MiB)", justify="right")
+        table.add_column("measured (MiB)", justify="right")
     for strategy, est in rows:
         cells = [strategy, f"{est.peak_mb:,.1f}", f"{est.activation_peak_bytes / 2**20:,.1f}",
                  f"+{est.overhead:.0%}" if est.overhead else ""]
@@ -96,12 +105,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plans a model under a budget: summary, optional picture, JSON and measurement."""
-    from rich.console import Console
-
     import tfremat
     from tfremat.export import export_dot, summary
 
-    console = Console()
+    console = _console()
     with console.status(f"Tracing a training step of {args.model} ..."):
         model = _prepare(args)
         graph = tfremat.extract(model, batch_size=args.batch_size)

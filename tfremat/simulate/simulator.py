@@ -1,12 +1,11 @@
-"""Liveness simulation of one training step over a PlanGraph, with or without a Plan.
+"""Simulation of one training step over a PlanGraph, with or without a Plan.
 
-The step is unrolled into a schedule of steps (forward of each layer call, the
-loss, backward of each call in reverse order, the optimizer update). With a Plan,
-each recompute segment runs its forward without keeping anything inside it, and
-in the backward pass runs its forward again (its nested segments again without
-keeping), then its backward. Every buffer lives from the step that makes it to
-the last step that reads it; the peak is the largest sum of live buffers plus the
-step's transient workspace (Chen et al. 2016 Sec. 3; the MXNet memory note).
+The step is unrolled into a schedule (`schedule.py`): forward of each layer call,
+the loss, backward of each call in reverse order, the optimizer update, with
+recompute segments run again in the backward pass. Every buffer lives from the
+step that makes it to the last step that reads it; the device peak is the
+largest sum of live buffers plus the step's transient workspace (Chen et al.
+2016 Sec. 3; the MXNet memory note).
 
 Strategies (the MXNet note's "memory cost estimation"):
     "none": nothing is ever freed or shared.
@@ -15,22 +14,32 @@ Strategies (the MXNet note's "memory cost estimation"):
     "sharing": buffers are freed after their last reader and their memory is
         reused (TensorFlow's reference counting), plus in-place.
 
+Offloaded tensors (the Plan's `offloaded`) are played on two copy streams
+beside compute (`transfers.py`). An offloaded tensor's device buffer lives from
+the step making it until its forward readers are done AND its device-to-host
+copy has completed (a copy in flight holds the buffer); a second device buffer
+lives from the step that triggers the copy back (`Offload.prefetch_after`'s
+backward step, or the first backward reader when None) to its last backward
+reader. A buffer offloaded by an elementwise reader is never overwritten in
+place. A recompute segment's input may be offloaded: its first backward reader
+is the segment's recomputation.
+
 No TensorFlow import: planners call this in loops.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
-from typing import Any, Union
+from typing import Any
 
+from tfremat.errors import PlanValidationError
 from tfremat.graph.plan_graph import Node, PlanGraph
-from tfremat.planners.plan import Plan, Segment
+from tfremat.planners.plan import Offload, Plan
+from tfremat.simulate.schedule import Key, Schedule, build_schedule
+from tfremat.simulate.transfers import (BANDWIDTH_GBPS, DEVICE_FLOPS, Timing, Transfer,
+                                        run_timeline)
 
 STRATEGIES = ("none", "inplace", "sharing")
-
-_Key = tuple
-_Unit = Union[Node, Segment]
 
 
 @dataclasses.dataclass
@@ -50,6 +59,11 @@ class Estimate:
         extra_flops: FLOPs of the recomputed forward calls.
         strategy: The memory strategy simulated.
         host_peak_bytes: Predicted host memory of offloaded tensors.
+        step_seconds: Predicted time of the step: compute, recomputation and
+            stalls waiting for copies back (see `transfers.py` for the model).
+        baseline_seconds: Predicted time of the step without a plan.
+        stall_seconds: Time compute waits for copies back to the device.
+        step_times: `(start, end)` seconds of each step of the schedule.
     """
 
     peak_bytes: int
@@ -62,6 +76,10 @@ class Estimate:
     extra_flops: float
     strategy: str
     host_peak_bytes: int = 0
+    step_seconds: float = 0.0
+    baseline_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    step_times: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
     @property
     def peak_mb(self) -> float:
@@ -69,8 +87,11 @@ class Estimate:
 
     @property
     def overhead(self) -> float:
-        """Extra compute as a fraction of the step's compute."""
-        return self.extra_compute / self.base_compute if self.base_compute else 0.0
+        """Extra compute as a fraction of the step's compute, plus stalls as a
+        fraction of the step's time."""
+        compute = self.extra_compute / self.base_compute if self.base_compute else 0.0
+        stalls = self.stall_seconds / self.baseline_seconds if self.baseline_seconds else 0.0
+        return compute + stalls
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,299 +105,151 @@ class Estimate:
             "overhead": self.overhead,
             "strategy": self.strategy,
             "host_peak_bytes": self.host_peak_bytes,
+            "step_seconds": self.step_seconds,
+            "baseline_seconds": self.baseline_seconds,
+            "stall_seconds": self.stall_seconds,
         }
 
 
-def simulate(graph: PlanGraph, plan: Plan | None = None, *,
-             strategy: str = "sharing") -> Estimate:
-    """Predicts the device memory of one training step.
+def simulate(graph: PlanGraph, plan: Plan | None = None, *, strategy: str = "sharing",
+             bandwidth_gbps: float = BANDWIDTH_GBPS,
+             device_flops: float = DEVICE_FLOPS) -> Estimate:
+    """Predicts the device memory, host memory and time of one training step.
 
     Args:
         graph: The PlanGraph of the step.
-        plan: Optional Plan; its recompute segments (nested ones included) are
-            simulated. The plan must have been made for `graph`.
+        plan: Optional Plan; its recompute segments (nested ones included) and
+            offloaded tensors are simulated. The plan must have been made for
+            `graph`.
         strategy: `"sharing"` (TensorFlow's behaviour, the default), `"inplace"`
             or `"none"`; see the module docstring.
+        bandwidth_gbps: Bandwidth of each copy stream (device to host, host to
+            device) in GB/s (1e9 bytes per second).
+        device_flops: FLOP/s of the device, for calls without measured times.
 
     Returns:
         An `Estimate`.
 
+    Raises:
+        ValueError: unknown strategy, or segments that are not convex.
+        PlanMismatchError: the plan was made for another graph.
+        PlanValidationError: an offloaded tensor is unknown, or its prefetch
+            trigger has no backward step or runs after the tensor's first
+            backward reader.
+
     Example:
 
     >>> est = tfremat.simulate(graph, plan)
-    >>> print(f"{est.peak_mb:.0f} MiB, +{est.overhead:.0%} compute")
+    >>> print(f"{est.peak_mb:.0f} MiB, +{est.overhead:.0%} time")
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
-    segments: list[Segment] = []
-    if plan is not None:
-        plan.check_graph(graph)
-        segments = plan.segments
-    schedule = _Schedule(graph)
-    top = _units(graph, [n.id for n in graph], segments)
-    ctx = _Context(None)
-    schedule.forward(top, ctx, record=True)
-    schedule.loss(ctx)
-    schedule.backward(top, ctx)
-    schedule.update()
-    return schedule.estimate(strategy)
+    schedule = build_schedule(graph, plan, device_flops=device_flops)
+    keys, transfers = _transfers(schedule, plan.offloaded if plan is not None else [])
+    timing = run_timeline(schedule.seconds, transfers, bandwidth_gbps * 1e9)
+    return _estimate(schedule, strategy, keys, transfers, timing)
 
 
-class _Context:
-    """Where tensor references resolve: one per (re)computation of a region."""
+def _transfers(schedule: Schedule, offloaded: list[Offload]
+               ) -> tuple[list[Key], list[Transfer]]:
+    """The buffers of the offloaded tensors and their copies."""
+    keys: list[Key] = []
+    transfers: list[Transfer] = []
+    for off in offloaded:
+        try:
+            key = schedule.key_of(off.tensor)
+        except KeyError:
+            raise PlanValidationError(
+                f"Offloaded tensor {off.tensor!r} is not in the graph.") from None
+        if key in keys:  # a view of a buffer already offloaded
+            continue
+        life = schedule.lifetime(key)
+        first = life.backward_first
+        trigger = first
+        if first is not None and off.prefetch_after is not None:
+            trigger = schedule.backward_step.get(off.prefetch_after)
+            if trigger is None:
+                raise PlanValidationError(
+                    f"Prefetch trigger {off.prefetch_after!r} of {off.tensor!r} has no "
+                    "backward step (no gradient flows into it): choose a node whose "
+                    "backward pass runs.")
+            if trigger > first:
+                raise PlanValidationError(
+                    f"Prefetch trigger {off.prefetch_after!r} of {off.tensor!r} runs "
+                    f"after the tensor's first backward reader "
+                    f"({schedule.labels[first]!r}): the copy would come back too late.")
+        keys.append(key)
+        transfers.append(Transfer(life.nbytes, life.produced, trigger, first))
+    return keys, transfers
 
-    __slots__ = ("parent", "keys", "saved", "uid")
-    _next = 0
 
-    def __init__(self, parent: "_Context | None") -> None:
-        self.parent = parent
-        self.keys: dict[str, _Key] = {}
-        self.saved: dict[str, _Key] = {}
-        _Context._next += 1
-        self.uid = _Context._next
-
-    def resolve(self, ref: str) -> _Key:
-        ctx: _Context | None = self
-        while ctx is not None:
-            key = ctx.keys.get(ref)
-            if key is not None:
-                return key
-            ctx = ctx.parent
-        raise KeyError(ref)
-
-
-class _Schedule:
-    def __init__(self, graph: PlanGraph) -> None:
-        self.graph = graph
-        self.labels: list[str] = []
-        self.transient: list[int] = []
-        self.alloc_step: dict[_Key, int] = {}
-        self.size: dict[_Key, int] = {}
-        self.last_use: dict[_Key, int] = {}
-        self.inplace: list[tuple[int, _Key, _Key]] = []
-        self.partials: dict[str, list[_Key]] = {}
-        self.weight_grads: list[_Key] = []
-        self.times_run: dict[str, int] = {}
-        self.extra_compute = 0.0
-        self.extra_flops = 0.0
-        self.requires_grad = _requires_grad(graph)
-
-    # -- schedule building ---------------------------------------------------
-
-    def _step(self, label: str, transient: int = 0) -> int:
-        self.labels.append(label)
-        self.transient.append(transient)
-        return len(self.labels) - 1
-
-    def _alloc(self, key: _Key, nbytes: int, step: int) -> None:
-        self.alloc_step[key] = step
-        self.size[key] = nbytes
-        self.last_use[key] = step
-
-    def _use(self, key: _Key, step: int) -> None:
-        if self.last_use[key] < step:
-            self.last_use[key] = step
-
-    def forward(self, units: list[_Unit], ctx: _Context, record: bool) -> None:
-        for unit in units:
-            if isinstance(unit, Segment):
-                # Inside a recompute segment nothing is recorded for backward.
-                sub = _units(self.graph, unit.nodes, unit.children)
-                self.forward(sub, ctx, record=False)
-            else:
-                self._forward_node(unit, ctx, record)
-
-    def _forward_node(self, node: Node, ctx: _Context, record: bool) -> None:
-        runs = self.times_run.get(node.id, 0)
-        self.times_run[node.id] = runs + 1
-        if runs:
-            self.extra_compute += node.forward_cost
-            self.extra_flops += node.flops_forward
-        transient = node.forward_workspace_bytes
-        if not record:
-            transient += node.internal_saved_bytes
-        step = self._step(f"fwd {node.id}" + ("" if runs == 0 else f" (recompute {runs})"),
-                          transient)
-        inputs = [ctx.resolve(r) for r in node.inputs]
-        for key in inputs:
-            self._use(key, step)
-        for i, t in enumerate(node.outputs):
-            ref = node.output_ref(i)
-            alias = node.alias_inputs[i] if node.alias_inputs else None
-            if alias is not None:  # a view of an input: same buffer, no allocation
-                ctx.keys[ref] = inputs[alias]
+def _estimate(schedule: Schedule, strategy: str, keys: list[Key],
+              transfers: list[Transfer], timing: Timing) -> Estimate:
+    """Device memory per step, with the offloaded buffers' shortened lives."""
+    ends: dict[Key, int] = {}
+    extra: list[tuple[int, int, int]] = []  # copies back: (first step, last step, bytes)
+    for key, tr, d2h_last in zip(keys, transfers, timing.d2h_last_step):
+        ends[key] = max(schedule.forward_last_use[key], d2h_last)
+        if tr.trigger is not None:
+            extra.append((tr.trigger, schedule.last_use[key], tr.nbytes))
+    n = len(schedule.labels)
+    delta = [0] * (n + 1)
+    keep_all = strategy != "sharing"
+    size = schedule.size
+    buffers = [(start, ends.get(key, schedule.last_use[key]), size[key])
+               for key, start in schedule.alloc_step.items()]
+    for start, last, nbytes in buffers + extra:
+        if not nbytes:
+            continue
+        delta[start] += nbytes
+        if not keep_all:
+            delta[min(last, n - 1) + 1] -= nbytes
+    if strategy != "none":
+        for step, out_key, in_key in schedule.inplace:
+            if (in_key in ends or schedule.last_use.get(in_key) != step
+                    or not size.get(in_key)):
                 continue
-            key = (ref, ctx.uid)
-            self._alloc(key, 0 if node.is_input else t.bytes, step)
-            ctx.keys[ref] = key
-        if record and node.internal_saved_bytes:
-            key = (node.id + "#saved", ctx.uid)
-            self._alloc(key, node.internal_saved_bytes, step)
-            ctx.saved[node.id] = key
-        if node.inplace and inputs and node.outputs:
-            self.inplace.append((step, (node.output_ref(0), ctx.uid), inputs[0]))
-
-    def loss(self, ctx: _Context) -> None:
-        step = self._step("loss", self.graph.loss_workspace_bytes)
-        for ref in self.graph.outputs:
-            self._use(ctx.resolve(ref), step)
-            t = self.graph.tensor(ref)
-            if t.differentiable and self.requires_grad[ref.rsplit(":", 1)[0]]:
-                key = ("grad", ref, 0)
-                self._alloc(key, t.bytes, step)
-                self.partials.setdefault(ref, []).append(key)
-
-    def backward(self, units: list[_Unit], ctx: _Context) -> None:
-        for unit in reversed(units):
-            if isinstance(unit, Segment):
-                sub = _units(self.graph, unit.nodes, unit.children)
-                inner = _Context(ctx)
-                self.forward(sub, inner, record=True)
-                self.backward(sub, inner)
-            elif self.requires_grad[unit.id]:
-                self._backward_node(unit, ctx)
-
-    def _backward_node(self, node: Node, ctx: _Context) -> None:
-        step = self._step(f"bwd {node.id}", node.backward_workspace_bytes)
-        for i, t in enumerate(node.outputs):
-            parts = self.partials.pop(node.output_ref(i), [])
-            for key in parts:
-                self._use(key, step)
-            if len(parts) > 1:  # AddN of the partial gradients
-                self._alloc(("grad-sum", node.output_ref(i)), t.bytes, step)
-        for ref in node.backward_reads:
-            self._use(ctx.resolve(ref), step)
-        saved = ctx.saved.get(node.id)
-        if saved is not None:
-            self._use(saved, step)
-        for ref in dict.fromkeys(node.inputs):
-            producer, _ = ref.rsplit(":", 1)
-            t = self.graph.tensor(ref)
-            if self.requires_grad[producer] and t.differentiable:
-                parts = self.partials.setdefault(ref, [])
-                key = ("grad", ref, len(parts))
-                self._alloc(key, t.bytes, step)
-                parts.append(key)
-        if node.param_bytes:
-            key = ("wgrad", node.id)
-            self._alloc(key, node.param_bytes, step)
-            self.weight_grads.append(key)
-
-    def update(self) -> None:
-        step = self._step("optimizer update", self.graph.update_workspace_bytes)
-        for key in self.weight_grads:
-            self._use(key, step)
-
-    # -- evaluation ------------------------------------------------------------
-
-    def estimate(self, strategy: str) -> Estimate:
-        n = len(self.labels)
-        delta = [0] * (n + 1)
-        keep_all = strategy != "sharing"
-        for key, start in self.alloc_step.items():
-            nbytes = self.size[key]
-            if not nbytes:
-                continue
-            delta[start] += nbytes
+            shared = min(size[in_key], size[out_key])
+            delta[step] -= shared
             if not keep_all:
-                delta[min(self.last_use[key], n - 1) + 1] -= nbytes
-        if strategy != "none":
-            for step, out_key, in_key in self.inplace:
-                if self.last_use.get(in_key) != step or not self.size.get(in_key):
-                    continue
-                shared = min(self.size[in_key], self.size[out_key])
-                delta[step] -= shared
-                if not keep_all:
-                    delta[step + 1] += shared
-        persistent = self.graph.total_persistent_bytes
-        live = 0
-        peak, peak_at = 0, 0
-        timeline = []
-        spent_transient = 0
-        for i in range(n):
-            live += delta[i]
-            if keep_all:
-                # With no freeing, workspaces are allocations that stay too.
-                here = live + spent_transient + self.transient[i]
-                spent_transient += self.transient[i]
-            else:
-                here = live + self.transient[i]
-            timeline.append((self.labels[i], persistent + here))
-            if here > peak:
-                peak, peak_at = here, i
-        base = sum(nd.forward_cost + _backward_cost(nd) for nd in self.graph)
-        return Estimate(
-            peak_bytes=persistent + peak,
-            persistent_bytes=persistent,
-            activation_peak_bytes=peak,
-            timeline=timeline,
-            peak_step=self.labels[peak_at] if n else "",
-            base_compute=base,
-            extra_compute=self.extra_compute,
-            extra_flops=self.extra_flops,
-            strategy=strategy,
-        )
+                delta[step + 1] += shared
+    graph = schedule.graph
+    persistent = graph.total_persistent_bytes
+    live = 0
+    peak, peak_at = 0, 0
+    timeline = []
+    spent_transient = 0
+    for i in range(n):
+        live += delta[i]
+        if keep_all:
+            # With no freeing, workspaces are allocations that stay too.
+            here = live + spent_transient + schedule.transient[i]
+            spent_transient += schedule.transient[i]
+        else:
+            here = live + schedule.transient[i]
+        timeline.append((schedule.labels[i], persistent + here))
+        if here > peak:
+            peak, peak_at = here, i
+    base = sum(nd.forward_cost + _backward_cost(nd) for nd in graph)
+    return Estimate(
+        peak_bytes=persistent + peak,
+        persistent_bytes=persistent,
+        activation_peak_bytes=peak,
+        timeline=timeline,
+        peak_step=schedule.labels[peak_at] if n else "",
+        base_compute=base,
+        extra_compute=schedule.extra_compute,
+        extra_flops=schedule.extra_flops,
+        strategy=strategy,
+        host_peak_bytes=timing.host_peak_bytes,
+        step_seconds=timing.makespan,
+        baseline_seconds=schedule.baseline_seconds,
+        stall_seconds=timing.stall_seconds,
+        step_times=list(zip(timing.start, timing.end)),
+    )
 
 
 def _backward_cost(node: Node) -> float:
     if node.seconds_backward is not None:
         return node.seconds_backward
     return node.flops_backward
-
-
-def _requires_grad(graph: PlanGraph) -> dict[str, bool]:
-    """Whether a gradient flows into each node: it or an ancestor has weights.
-
-    Every call of a layer with weights counts, later calls of a shared layer
-    (whose `param_bytes` is 0) included.
-    """
-    layers_with_params = {n.layer for n in graph if n.param_bytes}
-    req: dict[str, bool] = {}
-    for node in graph:
-        req[node.id] = (not node.is_input) and (
-            node.layer in layers_with_params
-            or any(req[p] for p in graph.predecessors(node.id)))
-    return req
-
-
-def _units(graph: PlanGraph, node_ids: list[str], segments: list[Segment]) -> list[_Unit]:
-    """Orders a region's nodes with each segment contracted to one unit.
-
-    A convex segment contracts to a node of a DAG; Kahn's algorithm with the
-    smallest original index first keeps the order close to the graph's.
-    """
-    owner: dict[str, int] = {}
-    for s_idx, seg in enumerate(segments):
-        for nid in seg.nodes:
-            owner[nid] = s_idx
-    unit_of = {nid: ("s", owner[nid]) if nid in owner else ("n", nid) for nid in node_ids}
-    members: dict[tuple, list[str]] = {}
-    for nid in node_ids:
-        members.setdefault(unit_of[nid], []).append(nid)
-    indeg = {u: 0 for u in members}
-    succ: dict[tuple, set] = {u: set() for u in members}
-    for nid in node_ids:
-        u = unit_of[nid]
-        for p in graph.predecessors(nid):
-            pu = unit_of.get(p)
-            if pu is None or pu == u or u in succ[pu]:
-                continue
-            succ[pu].add(u)
-            indeg[u] += 1
-    rank = {u: min(graph.index(m) for m in ms) for u, ms in members.items()}
-    heap = [(rank[u], u) for u, d in indeg.items() if d == 0]
-    heapq.heapify(heap)
-    out: list[_Unit] = []
-    while heap:
-        _, u = heapq.heappop(heap)
-        if u[0] == "s":
-            out.append(segments[u[1]])
-        else:
-            out.append(graph.node(u[1]))
-        for v in succ[u]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(heap, (rank[v], v))
-    if len(out) != len(members):
-        raise ValueError("Segments are not convex: contracting them makes a cycle.")
-    return out

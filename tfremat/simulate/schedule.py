@@ -1,0 +1,383 @@
+"""The schedule of one training step: its steps, their buffers and their compute time.
+
+The step is unrolled into steps (forward of each layer call, the loss, backward
+of each call in reverse order, the optimizer update). With a Plan, each
+recompute segment runs its forward without keeping anything inside it, and in
+the backward pass runs its forward again (its nested segments again without
+keeping), then its backward. Every buffer is recorded with the step that makes
+it and the steps that read it; `simulator.py` turns that into memory, and
+`transfers.py` turns the step times into a timeline with host copies.
+
+No TensorFlow import: planners call this in loops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Union
+
+from tfremat.graph.plan_graph import Node, PlanGraph
+from tfremat.planners.plan import Plan, Segment
+from tfremat.simulate.transfers import DEVICE_FLOPS, node_seconds
+
+Key = tuple
+_Unit = Union[Node, Segment]
+
+
+#: Backward steps a weight gradient outlives the step that makes it, before the
+#: optimizer's update frees it: measured on CPU (a 4 x 16 MiB dense stack keeps three
+#: gradients alive at once).
+GRADIENT_LIFETIME_STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifetime:
+    """When the forward pass's buffer of one tensor is made and read.
+
+    Attributes:
+        nbytes: Size of the buffer (0 for InputLayer tensors: they belong to the
+            batch, counted as persistent).
+        produced: Step that makes it.
+        forward_last: Last step up to and including the loss that reads it.
+        backward_first: First step after the loss that reads it (a backward
+            step, or a forward step recomputing a segment), or None.
+        backward_last: Last step after the loss that reads it, or None.
+    """
+
+    nbytes: int
+    produced: int
+    forward_last: int
+    backward_first: int | None
+    backward_last: int | None
+
+
+class Schedule:
+    """The steps of one training step under a plan's recompute segments.
+
+    Attributes:
+        graph: The PlanGraph.
+        labels: Label of each step, e.g. `"fwd conv1"`, `"bwd conv1"`, `"loss"`.
+        seconds: Compute time of each step (`transfers.node_seconds`); the loss
+            and the optimizer update count 0.
+        transient: Transient workspace bytes of each step.
+        loss_step: Index of the loss step: steps after it are the backward pass.
+        backward_step: Map from node id to the index of its backward step.
+        recompute_seconds: Compute time of the recomputed forward calls.
+        extra_compute: Cost of the recomputed forward calls, in the graph's cost
+            unit (seconds when measured, FLOPs otherwise).
+        extra_flops: FLOPs of the recomputed forward calls.
+        requires_grad: Whether a gradient flows into each node.
+    """
+
+    def __init__(self, graph: PlanGraph, device_flops: float = DEVICE_FLOPS) -> None:
+        self.graph = graph
+        self.device_flops = device_flops
+        self.labels: list[str] = []
+        self.seconds: list[float] = []
+        self.transient: list[int] = []
+        self.alloc_step: dict[Key, int] = {}
+        self.size: dict[Key, int] = {}
+        self.last_use: dict[Key, int] = {}
+        self.forward_last_use: dict[Key, int] = {}
+        self.backward_first_use: dict[Key, int] = {}
+        self.inplace: list[tuple[int, Key, Key]] = []
+        self.partials: dict[str, list[Key]] = {}
+        self.weight_grads: list[Key] = []
+        self.times_run: dict[str, int] = {}
+        self.backward_step: dict[str, int] = {}
+        self.loss_step = -1
+        self.recompute_seconds = 0.0
+        self.extra_compute = 0.0
+        self.extra_flops = 0.0
+        self.requires_grad = requires_grad(graph)
+        self.top = _Context(None)
+
+    # -- queries -------------------------------------------------------------
+
+    def key_of(self, ref: str) -> Key:
+        """The buffer a forward tensor reference lives in (views share one)."""
+        return self.top.resolve(ref)
+
+    def lifetimes(self) -> dict[str, Lifetime]:
+        """Lifetimes of the buffers the forward pass makes, by tensor reference.
+
+        Tensors inside recompute segments are included: their forward buffer
+        is only read in the forward pass (the backward pass reads the
+        recomputed one), so `backward_first` is None for them.
+        """
+        return {ref: self.lifetime(key) for ref, key in self.top.keys.items()
+                if key[0] == ref}  # not a view of another tensor's buffer
+
+    def lifetime(self, key: Key) -> Lifetime:
+        """The lifetime of one forward buffer (a key from `key_of`)."""
+        first = self.backward_first_use.get(key)
+        return Lifetime(
+            nbytes=self.size[key], produced=self.alloc_step[key],
+            forward_last=self.forward_last_use.get(key, self.alloc_step[key]),
+            backward_first=first,
+            backward_last=None if first is None else self.last_use[key])
+
+    @property
+    def baseline_seconds(self) -> float:
+        """Compute time of the step without recomputation."""
+        return sum(self.seconds) - self.recompute_seconds
+
+    # -- building ------------------------------------------------------------
+
+    def run(self, segments: list[Segment]) -> "Schedule":
+        """Records the whole step: forward, loss, backward, optimizer update."""
+        top = units(self.graph, [n.id for n in self.graph], segments)
+        self.forward(top, self.top, record=True)
+        self.loss(self.top)
+        self.backward(top, self.top)
+        self.update()
+        return self
+
+    def _step(self, label: str, transient: int = 0, seconds: float = 0.0) -> int:
+        self.labels.append(label)
+        self.transient.append(transient)
+        self.seconds.append(seconds)
+        return len(self.labels) - 1
+
+    def _alloc(self, key: Key, nbytes: int, step: int) -> None:
+        self.alloc_step[key] = step
+        self.size[key] = nbytes
+        self.last_use[key] = step
+
+    def _use(self, key: Key, step: int) -> None:
+        if self.last_use[key] < step:
+            self.last_use[key] = step
+        if self.loss_step >= 0 and key not in self.backward_first_use:
+            self.backward_first_use[key] = step
+
+    def forward(self, unit_list: list[_Unit], ctx: "_Context", record: bool) -> None:
+        for unit in unit_list:
+            if isinstance(unit, Segment):
+                # Inside a recompute segment nothing is recorded for backward.
+                sub = units(self.graph, unit.nodes, unit.children)
+                self.forward(sub, ctx, record=False)
+            else:
+                self._forward_node(unit, ctx, record)
+
+    def _forward_node(self, node: Node, ctx: "_Context", record: bool) -> None:
+        runs = self.times_run.get(node.id, 0)
+        self.times_run[node.id] = runs + 1
+        seconds = node_seconds(node, self.device_flops)[0]
+        if runs:
+            self.extra_compute += node.forward_cost
+            self.extra_flops += node.flops_forward
+            self.recompute_seconds += seconds
+        transient = node.forward_workspace_bytes
+        if not record:
+            transient += node.internal_saved_bytes
+        step = self._step(f"fwd {node.id}" + ("" if runs == 0 else f" (recompute {runs})"),
+                          transient, seconds)
+        inputs = [ctx.resolve(r) for r in node.inputs]
+        for key in inputs:
+            self._use(key, step)
+        for i, t in enumerate(node.outputs):
+            ref = node.output_ref(i)
+            alias = node.alias_inputs[i] if node.alias_inputs else None
+            if alias is not None:  # a view of an input: same buffer, no allocation
+                ctx.keys[ref] = inputs[alias]
+                continue
+            key = (ref, ctx.uid)
+            self._alloc(key, 0 if node.is_input else t.bytes, step)
+            ctx.keys[ref] = key
+        if record and node.internal_saved_bytes:
+            key = (node.id + "#saved", ctx.uid)
+            self._alloc(key, node.internal_saved_bytes, step)
+            ctx.saved[node.id] = key
+        if node.inplace and inputs and node.outputs:
+            self.inplace.append((step, (node.output_ref(0), ctx.uid), inputs[0]))
+
+    def loss(self, ctx: "_Context") -> None:
+        step = self._step("loss", self.graph.loss_workspace_bytes)
+        for ref in self.graph.outputs:
+            self._use(ctx.resolve(ref), step)
+            t = self.graph.tensor(ref)
+            if t.differentiable and self.requires_grad[ref.rsplit(":", 1)[0]]:
+                key = ("grad", ref, 0)
+                self._alloc(key, t.bytes, step)
+                self.partials.setdefault(ref, []).append(key)
+        self.loss_step = step
+        self.forward_last_use = dict(self.last_use)
+
+    def backward(self, unit_list: list[_Unit], ctx: "_Context") -> None:
+        for unit in reversed(unit_list):
+            if isinstance(unit, Segment):
+                sub = units(self.graph, unit.nodes, unit.children)
+                inner = _Context(ctx)
+                originals = self._copy_segment_inputs(unit, ctx, inner)
+                self.forward(sub, inner, record=True)
+                self.backward(sub, inner)
+                for key in originals:  # the recompute's closure held them so far
+                    self._use(key, len(self.labels) - 1)
+            elif self.requires_grad[unit.id]:
+                self._backward_node(unit, ctx)
+
+    def _copy_segment_inputs(self, segment: Segment, ctx: "_Context",
+                             inner: "_Context") -> list[Key]:
+        """In graph mode `tf.recompute_grad` recomputes from `input + 0 * dep`,
+        with `dep` read from the incoming gradient so the recompute waits for
+        it: each floating input is copied, and the recompute reads the copy.
+
+        Returns:
+            The keys of the original inputs, alive until the segment's backward ends.
+        """
+        inside = set(segment.nodes)
+        refs = [r for n in segment.nodes for r in self.graph.node(n).inputs
+                if r.rsplit(":", 1)[0] not in inside]
+        refs = [r for r in dict.fromkeys(refs) if self.graph.tensor(r).differentiable]
+        if not refs:
+            return []
+        step = self._step(f"copy inputs of segment {segment.nodes[0]}..{segment.nodes[-1]}")
+        originals = []
+        for ref in refs:
+            original = ctx.resolve(ref)
+            self._use(original, step)
+            originals.append(original)
+            key = (ref, inner.uid)
+            self._alloc(key, self.size[original] and self.graph.tensor(ref).bytes, step)
+            inner.keys[ref] = key
+        return originals
+
+    def _backward_node(self, node: Node, ctx: "_Context") -> None:
+        step = self._step(f"bwd {node.id}", node.backward_workspace_bytes,
+                          node_seconds(node, self.device_flops)[1])
+        self.backward_step[node.id] = step
+        for i, t in enumerate(node.outputs):
+            parts = self.partials.pop(node.output_ref(i), [])
+            for key in parts:
+                self._use(key, step)
+            if len(parts) > 1:  # AddN of the partial gradients
+                self._alloc(("grad-sum", node.output_ref(i)), t.bytes, step)
+        for ref in node.backward_reads:
+            self._use(ctx.resolve(ref), step)
+        saved = ctx.saved.get(node.id)
+        if saved is not None:
+            self._use(saved, step)
+        for ref in dict.fromkeys(node.inputs):
+            producer, _ = ref.rsplit(":", 1)
+            t = self.graph.tensor(ref)
+            if self.requires_grad[producer] and t.differentiable:
+                parts = self.partials.setdefault(ref, [])
+                key = ("grad", ref, len(parts))
+                self._alloc(key, t.bytes, step)
+                parts.append(key)
+        # TensorFlow applies a variable's update once its gradient exists (Grappler
+        # drops the optimizer's IdentityN barrier), a couple of steps later at most.
+        while len(self.weight_grads) >= GRADIENT_LIFETIME_STEPS:
+            self._use(self.weight_grads.pop(0), step)
+        if node.param_bytes:
+            key = ("wgrad", node.id)
+            self._alloc(key, node.param_bytes, step)
+            self.weight_grads.append(key)
+
+    def update(self) -> None:
+        step = self._step("optimizer update", self.graph.update_workspace_bytes)
+        for key in self.weight_grads:
+            self._use(key, step)
+
+
+def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
+                   device_flops: float = DEVICE_FLOPS) -> Schedule:
+    """Unrolls one training step of `graph` under `plan`'s recompute segments.
+
+    Args:
+        graph: The PlanGraph.
+        plan: Optional Plan made for `graph` (its offloaded tensors do not
+            change the schedule, only memory and time).
+        device_flops: FLOP/s of the device, for calls without measured times.
+
+    Returns:
+        The `Schedule`.
+
+    Raises:
+        PlanMismatchError: the plan was made for another graph.
+    """
+    if plan is not None:
+        plan.check_graph(graph)
+    return Schedule(graph, device_flops).run(plan.segments if plan is not None else [])
+
+
+class _Context:
+    """Where tensor references resolve: one per (re)computation of a region."""
+
+    __slots__ = ("parent", "keys", "saved", "uid")
+    _next = 0
+
+    def __init__(self, parent: "_Context | None") -> None:
+        self.parent = parent
+        self.keys: dict[str, Key] = {}
+        self.saved: dict[str, Key] = {}
+        _Context._next += 1
+        self.uid = _Context._next
+
+    def resolve(self, ref: str) -> Key:
+        ctx: _Context | None = self
+        while ctx is not None:
+            key = ctx.keys.get(ref)
+            if key is not None:
+                return key
+            ctx = ctx.parent
+        raise KeyError(ref)
+
+
+def requires_grad(graph: PlanGraph) -> dict[str, bool]:
+    """Whether a gradient flows into each node: it or an ancestor has weights.
+
+    Every call of a layer with weights counts, later calls of a shared layer
+    (whose `param_bytes` is 0) included.
+    """
+    layers_with_params = {n.layer for n in graph if n.param_bytes}
+    req: dict[str, bool] = {}
+    for node in graph:
+        req[node.id] = (not node.is_input) and (
+            node.layer in layers_with_params
+            or any(req[p] for p in graph.predecessors(node.id)))
+    return req
+
+
+def units(graph: PlanGraph, node_ids: list[str], segments: list[Segment]) -> list[_Unit]:
+    """Orders a region's nodes with each segment contracted to one unit.
+
+    A convex segment contracts to a node of a DAG; Kahn's algorithm with the
+    smallest original index first keeps the order close to the graph's.
+    """
+    owner: dict[str, int] = {}
+    for s_idx, seg in enumerate(segments):
+        for nid in seg.nodes:
+            owner[nid] = s_idx
+    unit_of = {nid: ("s", owner[nid]) if nid in owner else ("n", nid) for nid in node_ids}
+    members: dict[tuple, list[str]] = {}
+    for nid in node_ids:
+        members.setdefault(unit_of[nid], []).append(nid)
+    indeg = {u: 0 for u in members}
+    succ: dict[tuple, set] = {u: set() for u in members}
+    for nid in node_ids:
+        u = unit_of[nid]
+        for p in graph.predecessors(nid):
+            pu = unit_of.get(p)
+            if pu is None or pu == u or u in succ[pu]:
+                continue
+            succ[pu].add(u)
+            indeg[u] += 1
+    rank = {u: min(graph.index(m) for m in ms) for u, ms in members.items()}
+    heap = [(rank[u], u) for u, d in indeg.items() if d == 0]
+    heapq.heapify(heap)
+    out: list[_Unit] = []
+    while heap:
+        _, u = heapq.heappop(heap)
+        if u[0] == "s":
+            out.append(segments[u[1]])
+        else:
+            out.append(graph.node(u[1]))
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (rank[v], v))
+    if len(out) != len(members):
+        raise ValueError("Segments are not convex: contracting them makes a cycle.")
+    return out
