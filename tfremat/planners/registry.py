@@ -11,6 +11,7 @@ from tfremat.planners import _segments as seg
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
 from tfremat.planners.dp import STRATEGIES, DPTimeout, approx_dp, exact_dp
 from tfremat.planners.plan import Plan
+from tfremat.planners.swap import swap, swap_combined
 from tfremat.simulate import simulate
 
 PLANNERS: dict[str, Callable[..., Plan]] = {
@@ -20,16 +21,25 @@ PLANNERS: dict[str, Callable[..., Plan]] = {
     "chen-recursive": chen_recursive,
     "exact-dp": exact_dp,
     "approx-dp": approx_dp,
+    "swap": swap,
 }
 
 #: Graphs with at most this many nodes also get the exact DP under "auto".
 EXACT_DP_MAX_NODES = 40
 
+#: Settings of "auto" meant for the swap planner rather than the approximate DP.
+SWAP_SETTINGS = ("bandwidth_gbps", "device_flops", "host_budget_bytes", "min_bytes",
+                 "prefetch_slack", "trials")
+
+#: Recompute plans "auto" offloads on top of: budgets as fractions of the way
+#: from the lowest recompute peak up to the peak without a plan.
+OFFLOAD_LADDER = (0.0, 0.25, 0.5)
+
 
 def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
               strategy: str = "time", time_limit: float | None = 60.0,
-              verbose: int = 0, **settings: Any) -> Plan:
-    """Plans recomputation for `graph` under a device budget.
+              verbose: int = 0, offload: bool = True, **settings: Any) -> Plan:
+    """Plans recomputation (and host offload) for `graph` under a device budget.
 
     With `planner="auto"`: when the step already fits, an empty plan (no
     rewrite needed). Otherwise, first the approximate DP with `strategy` (and
@@ -37,7 +47,10 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     greedy and sqrt(n) plans: the one that fits with the least extra compute
     wins. When none fits, the DPs with the other strategy and `chen-recursive`
     (nested segments reach below one level of segments), again the cheapest
-    that fits.
+    that fits. When none fits and `offload` is on, the last step offloads
+    activations to host memory on top of recompute plans at the budgets of
+    `OFFLOAD_LADDER` and on top of no plan, keeping the cheapest plan that
+    fits (`swap.swap_combined`).
 
     Args:
         graph: The PlanGraph.
@@ -48,7 +61,10 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
         time_limit: Seconds for the exact DP; past it, `make_plan` warns and
             falls back to the approximate DP.
         verbose: 1 or more shows progress of the DP planners.
-        **settings: Settings of the chosen planner (for "auto": of the
+        offload: Whether "auto" may offload to host memory when recomputation
+            alone cannot meet the budget.
+        **settings: Settings of the chosen planner (for "auto": those named in
+            `SWAP_SETTINGS` go to the swap planner, the others to the
             approximate DP).
 
     Returns:
@@ -70,7 +86,7 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
     if planner == "auto":
-        return _auto(graph, budget_bytes, strategy, time_limit, verbose, settings)
+        return _auto(graph, budget_bytes, strategy, time_limit, verbose, offload, settings)
     if planner not in PLANNERS:
         raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
                          f"{sorted(PLANNERS)}.")
@@ -113,7 +129,9 @@ def _exact_or_approx(graph: PlanGraph, budget_bytes: int, strategy: str,
 
 
 def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float | None,
-          verbose: int, settings: dict[str, Any]) -> Plan:
+          verbose: int, offload: bool, settings: dict[str, Any]) -> Plan:
+    swap_settings = {k: v for k, v in settings.items() if k in SWAP_SETTINGS}
+    settings = {k: v for k, v in settings.items() if k not in SWAP_SETTINGS}
     est = simulate(graph)
     if est.peak_bytes <= budget_bytes:
         return Plan.from_segments(
@@ -124,32 +142,34 @@ def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float 
                                "no rewrite needed."})
     other = "memory" if strategy == "time" else "time"
 
-    def dp(name: str, s: str) -> tuple[str, Callable[[], Plan]]:
+    def dp(name: str, s: str) -> tuple[str, Callable[[int], Plan]]:
         if name == "approx-dp":
-            return (f"approx-dp ({s})", lambda: approx_dp(
-                graph, budget_bytes, strategy=s, verbose=verbose, **settings))
-        return (f"exact-dp ({s})", lambda: exact_dp(
-            graph, budget_bytes, strategy=s, time_limit=time_limit, verbose=verbose))
+            return (f"approx-dp ({s})", lambda b: approx_dp(
+                graph, b, strategy=s, verbose=verbose, **settings))
+        return (f"exact-dp ({s})", lambda b: exact_dp(
+            graph, b, strategy=s, time_limit=time_limit, verbose=verbose))
 
     small = len(graph) <= EXACT_DP_MAX_NODES
     # Phase 1: the cheapest plan among those aiming at little recomputation.
     first = [dp("approx-dp", strategy)] + ([dp("exact-dp", strategy)] if small else []) + [
-        ("chen-greedy", lambda: chen_greedy(graph, budget_bytes)),
-        ("chen-sqrt", lambda: chen_sqrt(graph, budget_bytes))]
+        ("chen-greedy", lambda b: chen_greedy(graph, b)),
+        ("chen-sqrt", lambda b: chen_sqrt(graph, b))]
     # Phase 2, when none fits: strategies that trade more compute for memory.
     second = [dp("approx-dp", other)] + ([dp("exact-dp", other)] if small else []) + [
-        ("chen-recursive", lambda: chen_recursive(graph, budget_bytes))]
+        ("chen-recursive", lambda b: chen_recursive(graph, b))]
     minimum = est.peak_bytes
     tried: list[str] = []
+    answered: list[Callable[[int], Plan]] = []  # attempts that did not time out
     for phase in (first, second):
         fitting: list[Plan] = []
         for name, attempt in phase:
             try:
-                fitting.append(attempt())
+                fitting.append(attempt(budget_bytes))
                 tried.append(f"{name}: fits")
             except BudgetError as err:
                 minimum = min(minimum, round(err.min_budget_mb * seg.MIB))
                 tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
+                answered.append(attempt)
             except DPTimeout as err:
                 warnings.warn(f"{err} Skipping it.", stacklevel=3)
                 tried.append(f"{name}: timed out")
@@ -159,5 +179,34 @@ def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float 
             plan.estimates["note"] = (f"Chosen by planner='auto' (least extra compute "
                                       f"among plans that fit) after: {'; '.join(tried)}.")
             return plan
+    if offload:
+        bases = _recompute_bases(answered, minimum, est.peak_bytes)
+        try:
+            plan = swap_combined(graph, budget_bytes, bases, **swap_settings)
+        except BudgetError as err:
+            minimum = min(minimum, round(err.min_budget_mb * seg.MIB))
+            tried.append(f"swap: {err.min_budget_mb:.1f} MiB")
+        else:
+            plan.estimates["note"] = (
+                f"Chosen by planner='auto' after: {'; '.join(tried)}; offloading to host "
+                "memory (on top of recomputation when cheaper) meets the budget.")
+            return plan
     raise seg.budget_error(budget_bytes, minimum, "auto",
                            "Smallest peaks reached: " + "; ".join(tried) + ".")
+
+
+def _recompute_bases(attempts: list[Callable[[int], Plan]], lowest: int,
+                     unplanned: int) -> list[Plan]:
+    """Recompute plans to offload on top of, one per budget of `OFFLOAD_LADDER`
+    (the first attempt that meets it), each distinct plan once."""
+    bases: dict[str, Plan] = {}
+    for fraction in OFFLOAD_LADDER:
+        budget = round(lowest + fraction * (unplanned - lowest))
+        for attempt in attempts:
+            try:
+                plan = attempt(budget)
+            except (BudgetError, DPTimeout):
+                continue
+            bases.setdefault(repr(plan.segments), plan)
+            break
+    return list(bases.values())
