@@ -190,17 +190,12 @@ def test_non_tensorflow_backend_is_refused():
     assert "Set KERAS_BACKEND=tensorflow" in out.stderr
 
 
-def test_prediction_matches_measurement_on_a_cnn():
+def test_prediction_matches_measurement_on_a_residual_cnn():
     """The simulator's peak is within 10% of TensorFlow's allocator peak."""
-    inp = keras.Input((64, 64, 3))
-    x = inp
-    for i in range(4):
-        x = keras.layers.Conv2D(32, 3, padding="same", name=f"conv{i}")(x)
-        x = keras.layers.BatchNormalization(name=f"bn{i}")(x)
-        x = keras.layers.ReLU(name=f"relu{i}")(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    model = keras.Model(inp, keras.layers.Dense(10)(x))
-    model.compile(optimizer="sgd", loss="mse")
+    from tfremat.demo import resnet_style
+
+    model = resnet_style(image_size=64, width=16, blocks=(2, 2))
+    model.compile(optimizer="sgd", loss="categorical_crossentropy")
     predicted = tfremat.simulate(tfremat.extract(model, batch_size=16)).peak_bytes
     measured = tfremat.measure_peak(model, batch_size=16)
     assert abs(predicted / measured - 1) < 0.10, (predicted / 2**20, measured / 2**20)

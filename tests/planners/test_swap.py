@@ -103,7 +103,9 @@ def test_default_host_budget_is_half_the_free_memory():
 def test_swap_on_a_recompute_plan_keeps_its_segments_and_goes_lower():
     graph = G.chain(30)
     base = chen_sqrt(graph)
-    budget = base.estimates["peak_bytes"] - 2 * MIB
+    # A tensor's worth below the recompute plan (weight gradients alive in
+    # between keep the floor a few KiB above two tensors' worth).
+    budget = base.estimates["peak_bytes"] - MIB
     plan = swap(graph, budget, base_plan=base, **TIMING)
     assert plan.segments == base.segments and plan.offloaded
     assert plan.settings["base_planner"] == "chen-sqrt"

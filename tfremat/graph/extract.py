@@ -223,18 +223,14 @@ def build_plan_graph(model: keras.Model, traced: TracedStep) -> PlanGraph:
             for w in bwd_readers:
                 backward_reads[w].append(ref)
 
-    positions: dict[str | None, list[int]] = collections.defaultdict(list)
+    # Op indices of each call's forward and backward, of the loss and the update.
+    positions: dict[Any, list[int]] = collections.defaultdict(list)
     for i, o in enumerate(owner):
-        positions[(o, i < traced.forward_end or i >= traced.backward_end)
-                  if o not in (LOSS, UPDATE) else o].append(i)
+        key = o if o in (LOSS, UPDATE) else (o, i < traced.forward_end)
+        positions[key].append(i)
 
     nodes: list[Node] = []
     params_seen: set[str] = set()
-    site_outputs = {}
-    for site in traced.sites:
-        if site.is_input:
-            continue
-        site_outputs[site.id] = traced.call_outputs[site.id]
 
     # Input nodes.
     if input_sites:
@@ -252,7 +248,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep) -> PlanGraph:
             continue
         fwd_pos = positions[(site.id, True)]
         bwd_pos = positions[(site.id, False)]
-        outs = site_outputs[site.id]
+        outs = traced.call_outputs[site.id]
         out_roots = [flow.root_of(t) for t in outs]
         fwd_set = set(fwd_pos)
         if site.node is not None:
