@@ -5,7 +5,8 @@ memory budget; the rewriter applies the plan to a Keras model that shares the
 original's weights.
 
 Parts that need TensorFlow load on first use, so `tfremat.simulate`, the
-planners and `PlanGraph` work without it.
+planners and `PlanGraph` work without it. When TensorFlow is there, importing
+tfremat registers its Keras layers, so saved rewritten models load.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "plan": "tfremat.api",
     "rewrite": "tfremat.api",
+    "RecomputeSegment": "tfremat.rewriter",
     "Planner": "tfremat.callbacks",
     "extract": "tfremat.graph.extract",
     "measure_peak": "tfremat.memory",
@@ -51,6 +53,16 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
+def _register_keras_layers() -> None:
+    """Registers `RecomputeSegment` with Keras when TensorFlow and Keras are usable."""
+    try:
+        importlib.import_module("tfremat.rewriter.segment_layer")
+    except (ImportError, BackendError):
+        pass  # tfremat's TensorFlow parts say what is missing when used
+
+
+_register_keras_layers()
 
 __all__ = [
     "BackendError", "BudgetError", "Estimate", "Node", "Offload", "Plan",

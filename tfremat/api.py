@@ -11,7 +11,7 @@ from tfremat.graph.extract import extract
 from tfremat.graph.plan_graph import PlanGraph
 from tfremat.planners.plan import Plan
 from tfremat.planners.registry import make_plan
-from tfremat.rewrite import rewrite_model
+from tfremat.rewriter import rewrite_model
 
 logger = logging.getLogger("tfremat")
 

@@ -7,7 +7,7 @@ from typing import Any
 import keras
 from keras.src import tree
 
-from tfremat.rewrite.recompute import recompute, state_variables
+from tfremat.rewriter.recompute import recompute
 
 
 @keras.saving.register_keras_serializable(package="tfremat")
@@ -19,11 +19,11 @@ class RecomputeSegment(keras.layers.Layer):
     the sub-model again to get the activations its gradients need. The
     recompute is exact: it sees the BatchNorm moving statistics and the
     `SeedGenerator` states (dropout masks) of the forward pass, and updates
-    neither (see `tfremat.rewrite.recompute`). `training` is passed to every
+    neither (see `tfremat.rewriter.recompute`). `training` is passed to every
     sublayer explicitly, also in the recompute.
 
-    The layer is built by `tfremat.rewrite.rewrite_model` and saves with the
-    model: `keras.models.load_model` restores it once `tfremat.rewrite` is
+    The layer is built by `tfremat.rewriter.rewrite_model` and saves with the
+    model: `keras.models.load_model` restores it once `tfremat.rewriter` is
     imported (importing registers the class).
 
     Args:
@@ -53,7 +53,7 @@ class RecomputeSegment(keras.layers.Layer):
         def run(*xs: Any) -> list[Any]:
             return self.submodel(list(xs), training=training)
 
-        outputs = recompute(run, list(inputs), state_variables([self.submodel]))
+        outputs = recompute(run, list(inputs), [self.submodel])
         return tree.flatten(outputs)
 
     def compute_output_spec(self, inputs: list[Any],

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
 from tfremat.errors import TfrematError, UnsupportedModelError
 from tfremat.graph.keras_graph import is_subclassed, walk_with_outputs
 from tfremat.planners.plan import Plan
-from tfremat.rewrite.functional import rebuild
-from tfremat.rewrite.validate import validate_plan
+from tfremat.rewriter.functional import rebuild
+from tfremat.rewriter.validate import structure_graph, validate_plan
 
 
-def rewrite_model(model: keras.Model, plan: Plan) -> keras.Model:
+def rewrite_model(model: keras.Model, plan: Plan, *, sample: Any = None) -> keras.Model:
     """A model computing the same as `model`, recomputing the plan's segments.
 
     The new model shares `model`'s layer objects and weights: training either
@@ -24,10 +26,17 @@ def rewrite_model(model: keras.Model, plan: Plan) -> keras.Model:
 
     Functional and Sequential models are rebuilt node by node (nested
     functional models are flattened). Subclassed models get the block-level
-    fallback of `tfremat.rewrite.subclassed.rewrite_subclassed`.
+    fallback of `tfremat.rewriter.subclassed.rewrite_subclassed`: a new object
+    of the user's class sharing its sublayers, whose chosen sublayers run
+    under recomputation.
+
+    Limits: Keras masks must not cross a segment border, and a layer adding a
+    loss from its activations (`add_loss`, `activity_regularizer`) must stay
+    outside segments; both raise `UnsupportedModelError`. Host offload in the
+    plan is refused (`PlanValidationError`).
 
     Saving: the rewritten functional model saves to `.keras` and loads with
-    `keras.models.load_model` once `tfremat.rewrite` is imported. Its weight
+    `keras.models.load_model` once `tfremat.rewriter` is imported. Its weight
     paths differ from the original's, so a `.weights.h5` file of the original
     does not load into it: load the weights into the original instead (the
     rewritten model shares them), or load the original and rewrite it again.
@@ -36,6 +45,9 @@ def rewrite_model(model: keras.Model, plan: Plan) -> keras.Model:
         model: A built functional, Sequential or subclassed Keras model.
         plan: A plan made for this model's graph (`Plan.graph_fingerprint`
             must match); only recompute segments are applied.
+        sample: Subclassed models only: one input batch, to find the order
+            of the sublayer calls when the shapes the model was built with do
+            not tell its input (several inputs, integer inputs).
 
     Returns:
         A new `keras.Model` (uncompiled for functional models: compile it as
@@ -63,11 +75,11 @@ def rewrite_model(model: keras.Model, plan: Plan) -> keras.Model:
         raise UnsupportedModelError(
             f"rewrite_model takes a keras.Model, not {type(model).__name__}.")
     if is_subclassed(model):
-        from tfremat.rewrite.subclassed import rewrite_subclassed
+        from tfremat.rewriter.subclassed import rewrite_subclassed
 
-        return rewrite_subclassed(model, plan)
+        return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
-    validate_plan(plan, sites, model.name)
+    validate_plan(plan, structure_graph(sites, model.name))
     try:
         return rebuild(model, sites, output_refs, plan.segments)
     except TfrematError:

@@ -13,11 +13,12 @@ from typing import Any, Sequence
 
 import keras
 from keras.src import tree
+from keras.src.backend import get_keras_mask
 
 from tfremat.errors import UnsupportedModelError
 from tfremat.graph.keras_graph import CallSite, as_functional
 from tfremat.planners.plan import Segment
-from tfremat.rewrite.segment_layer import RecomputeSegment
+from tfremat.rewriter.segment_layer import RecomputeSegment
 
 
 class _Rebuild:
@@ -98,6 +99,13 @@ class _Rebuild:
         if not outputs:
             raise UnsupportedModelError(
                 f"Segment {segment.nodes} computes nothing that the model uses.")
+        masked = [ref for ref in inputs + outputs
+                  if get_keras_mask(self.symbolic[ref]) is not None]
+        if masked:
+            raise UnsupportedModelError(
+                f"Segment {segment.nodes} has Keras masks on its border tensors "
+                f"{masked}; masks do not cross a recompute segment. Move the border "
+                "so that the layer making the mask and its consumers are on one side.")
         local = {}
         for ref in inputs:
             spec = self.symbolic[ref]

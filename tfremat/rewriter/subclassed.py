@@ -1,11 +1,12 @@
 """Block-level recompute for subclassed models.
 
 A subclassed model (a `keras.Model` subclass with its own `call`) has no static
-graph to rebuild. Its planning units are its direct sublayers (held in
-attributes, or in lists, tuples and dicts held in attributes); their ids are
-`layer.name`, or `name@k` for the k-th call of a sublayer called more than once,
-in the order `call` runs them. A plan chooses sublayers; each call of a chosen
-sublayer is then one exact recompute unit (`tfremat.rewrite.recompute`).
+graph to rebuild. Its planning units are the calls of its direct sublayers
+(held in attributes, or in lists, tuples and dicts held in attributes), as
+`tfremat.extract` finds them by tracing a training step: ids `layer.name`, or
+`name@k` for the k-th call of a sublayer called more than once. The plan is
+checked against that extracted graph. A plan chooses sublayers; each call of a
+chosen sublayer is then one exact recompute unit (`tfremat.rewriter.recompute`).
 
 How the user's model stays untouched: the rewritten model is a new object of
 the user's class with the user's `call`, made WITHOUT running `__init__` (which
@@ -18,7 +19,8 @@ its compile state is reset. The attributes that hold chosen sublayers are then
 replaced, on the copy only, by `RecomputedCall` proxies: `self.block(x)` in the
 user's `call` runs the same sublayer under recomputation, and every other
 attribute reads through to the sublayer. Nothing is assigned on the original
-model or its sublayers.
+model (tracing with `tfremat.extract` shadows sublayers' `call` while it traces
+and restores them).
 
 Limits: a chosen sublayer must be reached through an attribute of the model
 (directly or in a list/tuple/dict attribute); one reached otherwise (e.g.
@@ -38,14 +40,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras.src import tree
+from keras.src.backend import any_symbolic_tensors
 from keras.src.backend.common import global_state
 from keras.src.utils import tracking
 
 from tfremat.errors import UnsupportedModelError
-from tfremat.graph.keras_graph import CallSite
+from tfremat.graph.extract import extract
 from tfremat.planners.plan import Plan
-from tfremat.rewrite.recompute import recompute, state_variables
-from tfremat.rewrite.validate import validate_plan
+from tfremat.rewriter.recompute import recompute
+from tfremat.rewriter.validate import validate_plan
 
 
 class RecomputedCall:
@@ -54,7 +57,7 @@ class RecomputedCall:
     Stands in for a sublayer inside a rewritten subclassed model. Its calls
     bind `training` (given, or from Keras's call context) and every
     non-tensor argument in a closure, and pass the tensors to
-    `tfremat.rewrite.recompute.recompute`.
+    `tfremat.rewriter.recompute.recompute`.
 
     Args:
         layer: The sublayer to recompute.
@@ -74,7 +77,7 @@ class RecomputedCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         object.__setattr__(self, "calls", self.calls + 1)
-        if keras.src.backend.any_symbolic_tensors(args, kwargs):
+        if any_symbolic_tensors(args, kwargs):
             return self.layer(*args, **kwargs)
         if kwargs.get("training") is None:
             # Bind the training mode of the forward pass: the recompute runs
@@ -93,7 +96,7 @@ class RecomputedCall:
             call_args, call_kwargs = tree.pack_sequence_as((args, kwargs), values)
             return self.layer(*call_args, **call_kwargs)
 
-        return recompute(run, [flat[i] for i in where], state_variables([self.layer]))
+        return recompute(run, [flat[i] for i in where], [self.layer])
 
     def __repr__(self) -> str:
         return f"<RecomputedCall of {self.layer!r}>"
@@ -112,53 +115,6 @@ def _model_inputs(model: keras.Model, sample: Any) -> Any:
     shape = next(iter(shapes.values()))
     return tree.map_shape_structure(
         lambda s: tf.TensorSpec(s, model.input_dtype), shape)
-
-
-def _record_calls(model: keras.Model, units: list[Any], specs: Any) -> list[Any]:
-    """The units in the order `model.call` calls them (training mode)."""
-    log: list[Any] = []
-    originals = {id(u): u.call for u in units}
-    for unit in units:
-        def wrapped(*args: Any, __unit: Any = unit, **kwargs: Any) -> Any:
-            log.append(__unit)
-            return originals[id(__unit)](*args, **kwargs)
-
-        unit.call = wrapped
-    try:
-        tf.function(lambda x: model(x, training=True)).get_concrete_function(specs)
-    finally:
-        for unit in units:
-            # Drop the instance attribute: the class's `call` shows through.
-            del unit.call
-    return log
-
-
-def subclassed_sites(model: keras.Model, sample: Any = None) -> list[CallSite]:
-    """The call sites (planning units) of a subclassed model.
-
-    Args:
-        model: A built subclassed model.
-        sample: One input batch (arrays or tensors); default: the shapes the
-            model was built with, in its input dtype.
-
-    Returns:
-        One call site per call of a direct sublayer, in call order, with ids
-        `layer.name` or `name@k`.
-    """
-    units = list(model._flatten_layers(include_self=False, recursive=False))
-    if not units:
-        raise UnsupportedModelError(
-            f"Subclassed model {model.name!r} has no sublayers to recompute.")
-    log = _record_calls(model, units, _model_inputs(model, sample))
-    counts = collections.Counter(id(u) for u in log)
-    seen: collections.Counter = collections.Counter()
-    sites = []
-    for unit in log:
-        k = seen[id(unit)]
-        seen[id(unit)] += 1
-        site_id = unit.name if counts[id(unit)] == 1 else f"{unit.name}@{k}"
-        sites.append(CallSite(id=site_id, layer_key=unit.name, operation=unit))
-    return sites
 
 
 def _substitute(value: Any, proxies: dict[int, RecomputedCall]) -> Any:
@@ -211,8 +167,8 @@ def rewrite_subclassed(model: keras.Model, plan: Plan, sample: Any = None) -> ke
 
     Args:
         model: A built subclassed model.
-        plan: A plan whose segments name sublayer call ids of `model`
-            (`subclassed_sites`).
+        plan: A plan made for `tfremat.extract(model)`: its segments name
+            sublayer call ids of `model`.
         sample: One input batch, when the model's built shapes do not say its
             input (several inputs, integer inputs).
 
@@ -221,7 +177,9 @@ def rewrite_subclassed(model: keras.Model, plan: Plan, sample: Any = None) -> ke
         uncompiled.
 
     Raises:
-        PlanMismatchError: the plan was made for another model.
+        PlanMismatchError: the plan was made for another model (the plan's
+            fingerprint is checked against `tfremat.extract(model)`, which
+            traces a training step on a batch of zeros).
         PlanValidationError: the plan is malformed for this model.
         UnsupportedModelError: the model is not built, its input is unknown,
             or a chosen sublayer is not reached through an attribute of the
@@ -231,20 +189,23 @@ def rewrite_subclassed(model: keras.Model, plan: Plan, sample: Any = None) -> ke
         raise UnsupportedModelError(
             f"Subclassed model {model.name!r} is not built: call it on a batch first.")
     specs = _model_inputs(model, sample)
-    sites = subclassed_sites(model, sample)
-    validate_plan(plan, sites, model.name)
-    chosen = {s.layer_key for seg in plan.segments for s in sites if s.id in seg.nodes}
-    proxies = {id(s.operation): RecomputedCall(s.operation)
-               for s in sites if s.layer_key in chosen}
+    graph = extract(model, sample=tree.map_structure(
+        lambda spec: np.zeros(spec.shape, spec.dtype.as_numpy_dtype), specs))
+    validate_plan(plan, graph)
+    units = {u.name: u for u in model._flatten_layers(include_self=False, recursive=False)}
+    chosen = {graph.node(n).layer for seg in plan.segments for n in seg.nodes}
+    proxies = {id(units[name]): RecomputedCall(units[name]) for name in chosen}
+    calls = collections.Counter(n.layer for n in graph if n.layer in chosen)
     clone = object.__new__(type(model))
     clone.__dict__.update(vars(model))
     _private_containers(model, clone)
+    clone.__dict__["name"] = f"{model.name}_recompute"
     for name, value in vars(model).items():
-        if not name.startswith("_"):
+        # Keras's own layer list keeps the real sublayers (weights, saving).
+        if name != "_layers" and not name.startswith("_self_"):
             clone.__dict__[name] = _substitute(value, proxies)
     tf.function(lambda x: clone(x, training=True)).get_concrete_function(specs)
-    missed = [p.layer.name for p in proxies.values()
-              if p.calls < sum(1 for s in sites if s.operation is p.layer)]
+    missed = [p.layer.name for p in proxies.values() if p.calls < calls[p.layer.name]]
     if missed:
         raise UnsupportedModelError(
             f"Sublayer(s) {missed} of {model.name!r} are not called through an attribute "

@@ -17,6 +17,10 @@ from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
+from keras.src import tree
+from keras.src.backend import get_keras_mask, set_keras_mask
+
+from tfremat.errors import UnsupportedModelError
 
 
 def state_variables(layers: Sequence[Any]) -> list[Any]:
@@ -39,41 +43,66 @@ def state_variables(layers: Sequence[Any]) -> list[Any]:
     return out
 
 
+def _activation_losses(layers: Sequence[Any]) -> int:
+    return sum(len(sub._losses) for layer in layers for sub in layer._flatten_layers())
+
+
 def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
-              state: Sequence[Any]) -> Any:
+              layers: Sequence[Any]) -> Any:
     """Runs `fn(*inputs)` whose activations are recomputed in the backward pass.
 
     Args:
         fn: A function of positional tensors only; bind everything else
             (e.g. `training`) in a closure, since `tf.recompute_grad` refuses
             keyword arguments in graph mode.
-        inputs: The tensors to pass to `fn`.
-        state: Keras variables `fn` may read and assign
-            (see `state_variables`). The recompute reads their values from
-            before the forward pass and does not assign them.
+        inputs: The tensors to pass to `fn`. Floating ones are the recompute's
+            arguments; integer and boolean ones are bound as constants.
+        layers: The Keras layers `fn` calls. The recompute reads their state
+            variables (see `state_variables`) as they were before the forward
+            pass and does not assign them.
 
     Returns:
-        What `fn` returns.
+        What `fn` returns, with the Keras masks the forward pass attached.
+
+    Raises:
+        UnsupportedModelError: a layer added a loss computed from its
+            activations (`add_loss`, `activity_regularizer`): its gradient
+            would not flow through the recompute.
     """
-    state = list(state)
+    state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
     values = [tf.convert_to_tensor(x) for x in inputs]
     # Only floating tensors go through tf.recompute_grad (it adds a float
-    # dependency to its arguments); integer and boolean inputs are bound as
+    # dependency to each argument); integer and boolean ones are bound as
     # constants of the recompute.
     differentiable = [i for i, x in enumerate(values) if x.dtype.is_floating]
     calls = itertools.count()
+    forward_outputs: list[Any] = []
 
     def body(*xs: Any) -> Any:
         args = list(values)
         for i, x in zip(differentiable, xs):
             args[i] = x
         if next(calls) == 0:  # The forward pass: state updates are kept.
-            return fn(*args)
+            losses = _activation_losses(layers)
+            outputs = fn(*args)
+            if _activation_losses(layers) != losses:
+                raise UnsupportedModelError(
+                    f"A layer among {[layer.name for layer in layers]} adds a loss "
+                    "computed from its activations (add_loss or activity_regularizer); "
+                    "its gradient cannot flow through a recompute. Keep that layer "
+                    "outside recompute segments.")
+            forward_outputs.extend(tree.flatten(outputs))
+            return outputs
         with keras.StatelessScope(state_mapping=list(zip(state, snapshots))):
             return fn(*args)
 
     positional = [values[i] for i in differentiable]
     # tf.recompute_grad needs one argument at least: weights' gradients still
     # flow when every input is an integer (e.g. token ids into an Embedding).
-    return tf.recompute_grad(body)(*(positional or [tf.zeros(())]))
+    outputs = tf.recompute_grad(body)(*(positional or [tf.zeros(())]))
+    for inner, outer in zip(forward_outputs, tree.flatten(outputs)):
+        mask = get_keras_mask(inner)
+        if mask is not None:
+            set_keras_mask(outer, mask)
+    return outputs

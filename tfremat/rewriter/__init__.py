@@ -10,7 +10,7 @@ from tfremat.backend import require_tensorflow
 
 require_tensorflow()
 
-from tfremat.rewrite.api import rewrite_model  # noqa: E402
-from tfremat.rewrite.segment_layer import RecomputeSegment  # noqa: E402
+from tfremat.rewriter.api import rewrite_model  # noqa: E402
+from tfremat.rewriter.segment_layer import RecomputeSegment  # noqa: E402
 
 __all__ = ["RecomputeSegment", "rewrite_model"]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import rewrite_helpers as h
 from tfremat.planners.plan import Segment
-from tfremat.rewrite import RecomputeSegment, rewrite_model
+from tfremat.rewriter import RecomputeSegment, rewrite_model
 
 MODELS = {
     "deep_mlp": h.deep_mlp,
@@ -25,12 +25,13 @@ MODELS = {
 def _segmentations(model: keras.Model) -> dict[str, list]:
     ids = h.body_ids(model)
     half = len(ids) // 2
-    inner = h.contiguous_segments(model, [2, half - 1])
+    parent = h.contiguous_segments(model, [half])[0]
+    children = [s for s in h.contiguous_segments(model, [2, half - 1])
+                if set(s) <= set(parent)]
     return {
         "sqrt": h.sqrt_segments(model),
         "everything": [ids],
-        "nested": [Segment(ids[:half] if len(inner[0]) < half else ids,
-                           children=[Segment(s) for s in inner if set(s) <= set(ids[:half])])],
+        "nested": [Segment(parent, children=[Segment(s) for s in children])],
     }
 
 

@@ -1,8 +1,9 @@
-"""Checking a Plan against the call sites of the model it is applied to.
+"""Checking a Plan against the model it is applied to.
 
-The rewriter does not trace the model: it rebuilds a lightweight `PlanGraph`
-(structure only, no costs) from the model's call sites and lets
-`Plan.validate` run the same checks the planners' plans go through.
+For functional and Sequential models the rewriter does not trace the model: it
+builds a lightweight `PlanGraph` (structure only, no costs) from the model's
+call sites. Subclassed models are checked against their extracted graph.
+Either way `Plan.validate` runs the checks the planners' plans go through.
 """
 
 from __future__ import annotations
@@ -40,33 +41,28 @@ def structure_graph(sites: Iterable[CallSite], name: str = "model") -> PlanGraph
     return PlanGraph(nodes=nodes, name=name)
 
 
-def validate_plan(plan: Plan, sites: list[CallSite], name: str = "model") -> PlanGraph:
-    """Checks that `plan` can be applied to the model with call sites `sites`.
+def validate_plan(plan: Plan, graph: PlanGraph) -> None:
+    """Checks that `plan` can be applied to the model whose graph is `graph`.
 
     Args:
         plan: The plan to apply.
-        sites: The model's call sites.
-        name: The model's name, used in messages.
-
-    Returns:
-        The structure graph the plan was checked against.
+        graph: The model's graph: `structure_graph` of its call sites
+            (functional models) or its extracted graph (subclassed models).
 
     Raises:
         PlanMismatchError: the plan was made for another graph.
         PlanValidationError: a segment names unknown nodes or an input layer,
             overlaps another, is not convex, or splits the calls of a shared
             layer (nested segments included: a layer saved in two sub-models
-            would load as two layers); or the plan asks for host offload, which the rewriter does
-            not apply yet.
+            would load as two layers); or the plan asks for host offload,
+            which the rewriter does not apply yet.
     """
-    graph = structure_graph(sites, name)
     plan.validate(graph)
     _check_nested_shared_layers(graph, plan.segments)
     if plan.offloaded:
         raise PlanValidationError(
             f"The plan offloads {len(plan.offloaded)} tensor(s) to the host; the "
             "rewriter applies recompute segments only. Plan without offload.")
-    return graph
 
 
 def _check_nested_shared_layers(graph: PlanGraph, segments: list[Segment]) -> None:

@@ -1,0 +1,53 @@
+"""A rewritten model trains under tf.distribute.MirroredStrategy like the original.
+
+Logical CPU devices must be set before TensorFlow initialises, so the training
+runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    sys.path.insert(0, {here!r})
+    import rewrite_helpers as h
+    from tfremat.rewriter import rewrite_model
+
+    keras.utils.set_random_seed(10)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    with strategy.scope():
+        model = h.residual_cnn()
+        rewritten = rewrite_model(model, h.plan_for(model, h.sqrt_segments(model)))
+    x = h.batch_for(model, batch=16)
+    y = np.random.default_rng(1).standard_normal((16, 5)).astype("float32")
+    start = h.snapshot(model)
+    losses = []
+    for m in (model, rewritten):
+        h.restore(model, start)
+        with strategy.scope():
+            m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        losses.append(m.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                            verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    print("OK", losses)
+""")
+
+
+def test_mirrored_strategy_over_two_cpus_gives_the_same_losses():
+    result = subprocess.run([sys.executable, "-c", SCRIPT.format(here=HERE)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("OK")

@@ -1,0 +1,129 @@
+"""Invalid plans are rejected with messages naming the problem, and a failed
+rewrite leaves the original model as it was."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import rewrite_helpers as h
+from tfremat.errors import PlanMismatchError, PlanValidationError
+from tfremat.planners.plan import Offload, Segment
+from tfremat.rewriter import rewrite_model
+from tfremat.rewriter import functional as functional_rebuild
+
+
+def test_non_convex_segment_is_rejected():
+    # In the U-Net the first conv feeds the encoder and the last Concatenate:
+    # a segment of just those two is left and re-entered by the path between.
+    model = h.unet()
+    ids = h.body_ids(model)
+    last_concat = [i for i in ids if i.startswith("concatenate")][-1]
+    with pytest.raises(PlanValidationError, match="not convex"):
+        rewrite_model(model, h.plan_for(model, [[ids[0], last_concat]]))
+
+
+def test_unknown_node_id_is_named():
+    model = h.deep_mlp()
+    with pytest.raises(PlanValidationError, match="no_such_layer"):
+        rewrite_model(model, h.plan_for(model, [["dense", "no_such_layer"]]))
+
+
+def test_plan_for_another_graph_names_both_fingerprints():
+    model, other = h.deep_mlp(), h.residual_cnn()
+    plan = h.plan_for(other, [h.body_ids(other)[:3]])
+    with pytest.raises(PlanMismatchError) as info:
+        rewrite_model(model, plan)
+    assert plan.graph_fingerprint in str(info.value)
+    assert h.plan_for(model, []).graph_fingerprint in str(info.value)
+
+
+def test_input_layer_in_segment_is_rejected():
+    model = h.deep_mlp()
+    input_id = [s for s in h.walk(model) if s.is_input][0].id
+    with pytest.raises(PlanValidationError, match="Input layer"):
+        rewrite_model(model, h.plan_for(model, [[input_id, h.body_ids(model)[0]]]))
+
+
+def test_overlapping_segments_are_rejected():
+    model = h.deep_mlp()
+    ids = h.body_ids(model)
+    with pytest.raises(PlanValidationError, match=rf"\['{ids[2]}'\] are in two segments"):
+        rewrite_model(model, h.plan_for(model, [ids[:3], ids[2:5]]))
+
+
+def test_split_shared_layer_is_rejected():
+    model = h.shared_layer_model()
+    with pytest.raises(PlanValidationError, match="Shared layer 'shared'"):
+        rewrite_model(model, h.plan_for(model, [["shared@0"]]))
+
+
+def test_split_shared_layer_in_nested_segment_is_rejected():
+    model = h.shared_layer_model()
+    ids = h.body_ids(model)
+    plan = h.plan_for(model, [Segment(ids[:4], children=[Segment(["shared@1"])])])
+    with pytest.raises(PlanValidationError, match="nested segment"):
+        rewrite_model(model, plan)
+
+
+def test_offload_is_rejected_by_the_recompute_rewriter():
+    model = h.deep_mlp()
+    plan = h.plan_for(model, [])
+    plan.offloaded = [Offload(f"{h.body_ids(model)[0]}:0")]
+    with pytest.raises(PlanValidationError, match="offload"):
+        rewrite_model(model, plan)
+
+
+def _state(model: keras.Model, x) -> tuple:
+    return ([w.copy() for w in model.get_weights()], list(model.layers),
+            list(model.outputs), model.predict(x, verbose=0), model.get_config())
+
+
+def _assert_unchanged(model: keras.Model, x, before: tuple) -> None:
+    weights, layers, outputs, prediction, config = before
+    for a, b in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert model.layers == layers
+    assert all(a is b for a, b in zip(model.outputs, outputs))
+    np.testing.assert_array_equal(model.predict(x, verbose=0), prediction)
+    assert model.get_config() == config
+
+
+def test_failed_validation_leaves_model_unchanged():
+    model = h.residual_cnn()
+    x = h.batch_for(model)
+    before = _state(model, x)
+    with pytest.raises(PlanValidationError):
+        rewrite_model(model, h.plan_for(model, [["conv2d", "no_such_layer"]]))
+    _assert_unchanged(model, x, before)
+
+
+def test_exception_midway_leaves_model_unchanged(monkeypatch):
+    model = h.residual_cnn()
+    x = h.batch_for(model)
+    before = _state(model, x)
+    segments = h.sqrt_segments(model)
+    assert len(segments) >= 2
+    built = []
+    original = functional_rebuild.RecomputeSegment
+
+    def failing(*args, **kwargs):
+        if built:
+            raise RuntimeError("injected failure")
+        built.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(functional_rebuild, "RecomputeSegment", failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        rewrite_model(model, h.plan_for(model, segments))
+    _assert_unchanged(model, x, before)
+
+
+def test_successful_rewrite_leaves_model_unchanged():
+    model = h.nested_model()
+    x = h.batch_for(model)
+    before = _state(model, x)
+    rewritten = rewrite_model(model, h.plan_for(model, h.sqrt_segments(model)))
+    _assert_unchanged(model, x, before)
+    np.testing.assert_allclose(rewritten.predict(x, verbose=0), before[3], rtol=1e-6)

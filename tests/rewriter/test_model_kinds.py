@@ -1,0 +1,100 @@
+"""Model kinds and layer features beyond the plain functional graph."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import rewrite_helpers as h
+from tfremat.errors import UnsupportedModelError
+from tfremat.planners.plan import Segment
+from tfremat.rewriter import RecomputeSegment, rewrite_model
+
+
+def test_sequential_model_is_rewritten():
+    keras.utils.set_random_seed(13)
+    model = keras.Sequential([
+        keras.Input((12,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.3),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+    ids = h.body_ids(model)
+    rewritten = rewrite_model(model, h.plan_for(model, [ids[:4]]))
+    assert isinstance(rewritten.layers[1], RecomputeSegment)
+    h.assert_same_step(model, rewritten, h.batch_for(model))
+
+
+def _masked_model() -> keras.Model:
+    tokens = keras.Input((7,), dtype="int32")
+    x = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+    x = keras.layers.LSTM(8, return_sequences=True)(x)
+    x = keras.layers.LSTM(8)(x)
+    return keras.Model(tokens, keras.layers.Dense(2)(x))
+
+
+def test_masks_stay_inside_a_segment():
+    keras.utils.set_random_seed(14)
+    model = _masked_model()
+    ids = h.body_ids(model)
+    rewritten = rewrite_model(model, h.plan_for(model, [ids[:-1]]))
+    tokens = np.array([[3, 4, 5, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7]], "int32")
+    h.assert_same_step(model, rewritten, tokens)
+
+
+def test_mask_crossing_a_segment_border_is_unsupported():
+    model = _masked_model()
+    ids = h.body_ids(model)
+    with pytest.raises(UnsupportedModelError, match="masks"):
+        rewrite_model(model, h.plan_for(model, [ids[1:3]]))
+
+
+def test_activity_regularizer_in_a_segment_is_refused_when_called():
+    x = keras.Input((4,))
+    y = keras.layers.Dense(4, activity_regularizer="l2")(x)
+    model = keras.Model(x, keras.layers.Dense(1)(y))
+    rewritten = rewrite_model(model, h.plan_for(model, [h.body_ids(model)[:1]]))
+    with pytest.raises(UnsupportedModelError, match="activity_regularizer"):
+        rewritten(np.ones((2, 4), "float32"), training=True)
+
+
+def test_integer_inputs_to_a_segment_keep_weight_gradients():
+    keras.utils.set_random_seed(15)
+    tokens = keras.Input((5,), dtype="int32")
+    x = keras.layers.Embedding(30, 8)(tokens)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    model = keras.Model(tokens, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    rewritten = rewrite_model(model, h.plan_for(model, [h.body_ids(model)[:2]]))
+    batch = np.random.default_rng(0).integers(0, 30, (2, 5)).astype("int32")
+    for mode in ("eager", "function"):
+        h.assert_same_step(model, rewritten, batch, mode)
+
+
+def test_explicit_training_argument_of_a_node_is_kept():
+    keras.utils.set_random_seed(16)
+    x = keras.Input((8,))
+    y = keras.layers.Dense(8)(x)
+    y = keras.layers.Dropout(0.5)(y, training=True)  # applies unless told otherwise
+    model = keras.Model(x, keras.layers.Dense(2)(y))
+    rewritten = rewrite_model(model, h.plan_for(model, [h.body_ids(model)[:2]]))
+    batch = np.ones((4, 8), "float32")
+    start = h.snapshot(model)
+    expected = model(batch)
+    h.restore(model, start)
+    np.testing.assert_array_equal(rewritten(batch), expected)
+    assert not np.allclose(expected, model(batch, training=False))
+    h.assert_same_step(model, rewritten, batch)
+
+
+def test_multi_input_multi_output_segment():
+    keras.utils.set_random_seed(17)
+    model = h.shared_layer_model()
+    ids = h.body_ids(model)
+    segment = ids[:ids.index("head_1") + 1]
+    rewritten = rewrite_model(model, h.plan_for(model, [Segment(segment)]))
+    layer = next(layer for layer in rewritten.layers if isinstance(layer, RecomputeSegment))
+    assert len(layer.submodel.inputs) == 2 and len(layer.submodel.outputs) >= 2
+    h.assert_same_step(model, rewritten, h.batch_for(model))

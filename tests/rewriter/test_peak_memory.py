@@ -1,0 +1,59 @@
+"""The measured peak of a training step drops with sqrt(n) recompute segments.
+
+Bounds are loose on purpose (measured: deep MLP 37 -> 19 MB, 29 -> 13 MB with
+XLA; ResNet50 at 96x96 batch 16: 280 -> 111 MB; with XLA the peak changes
+between compilations, so the smallest of three compilations is compared:
+351 -> 240 MB).
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+import tensorflow as tf
+
+import rewrite_helpers as h
+from tfremat.planners.plan import Segment
+from tfremat.rewriter import rewrite_model
+
+
+def _peaks(model: keras.Model, x, y, jit_compile: bool) -> tuple[int, int]:
+    rewritten = rewrite_model(model, h.plan_for(model, h.sqrt_segments(model)))
+    compilations = 3 if jit_compile else 1
+    return (h.compiled_peak_bytes(model, x, y, jit_compile, compilations),
+            h.compiled_peak_bytes(rewritten, x, y, jit_compile, compilations))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_deep_mlp_peak_drops(jit_compile):
+    keras.utils.set_random_seed(11)
+    model = h.deep_mlp(depth=24, width=1024)
+    vanilla, recomputed = _peaks(model, tf.random.normal((256, 16)),
+                                 tf.random.normal((256, 4)), jit_compile)
+    assert recomputed < 0.8 * vanilla, (vanilla, recomputed)
+
+
+def test_nested_segments_lower_the_peak_of_their_parent():
+    # One segment over the whole MLP recomputes everything at once in the
+    # backward pass (measured 36 MB, vanilla 35 MB); children recomputed
+    # again inside it keep only their inputs (measured 19 MB).
+    keras.utils.set_random_seed(13)
+    model = h.deep_mlp(depth=24, width=1024)
+    ids = h.body_ids(model)[:-1]
+    x, y = tf.random.normal((256, 16)), tf.random.normal((256, 4))
+    flat = rewrite_model(model, h.plan_for(model, [ids]))
+    nested = rewrite_model(model, h.plan_for(model, [
+        Segment(ids, children=[Segment(ids[i:i + 5]) for i in range(0, len(ids), 5)])]))
+    flat_peak = h.step_peak_bytes(h.training_step(flat, False), x, y)
+    nested_peak = h.step_peak_bytes(h.training_step(nested, False), x, y)
+    assert nested_peak < 0.8 * flat_peak, (flat_peak, nested_peak)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jit_compile, bound", [(False, 0.6), (True, 0.9)])
+def test_resnet50_peak_drops(jit_compile, bound):
+    keras.utils.set_random_seed(12)
+    model = keras.applications.ResNet50(weights=None, input_shape=(96, 96, 3), classes=10)
+    vanilla, recomputed = _peaks(model, tf.random.normal((16, 96, 96, 3)),
+                                 tf.random.normal((16, 10)), jit_compile)
+    assert recomputed < bound * vanilla, (vanilla, recomputed)
