@@ -14,6 +14,10 @@ own budget is searched:
   DP budget, giving coarse blocks that liveness analysis serves well; as the
   simulator often rates slightly coarser blocks lower still, the DP budgets of
   `MEMORY_SCAN` are tried and the plan with the lowest simulated peak wins.
+  When even that one misses the budget, `_refine.lower_peak` nests segments
+  where the simulated peak occurs (Chen et al.'s recursion, only where it
+  pays) until the plan fits or no move lowers the peak; such plans carry the
+  estimates `"refined": True` and `"flat_peak_bytes"`.
 
 The lowest feasible Eq. (2) budget is found directly, by a DP minimising the
 peak, rather than by bisection.
@@ -25,7 +29,7 @@ import math
 from typing import Any, Callable
 
 from tfremat.graph.plan_graph import PlanGraph
-from tfremat.planners import _dp_approx, _segments as seg
+from tfremat.planners import _dp_approx, _refine, _segments as seg
 from tfremat.planners._dp_exact import Deadline, DPTimeout, ExactDP
 from tfremat.planners._dp_model import DPModel, DPResult
 from tfremat.planners._progress import progress
@@ -54,7 +58,8 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes.
         strategy: `"time"` (least overhead within budget) or `"memory"`
-            (memory-centric: the lowest simulated peak).
+            (memory-centric: the lowest simulated peak, nesting segments
+            where the peak occurs when flat blocks miss the budget).
         time_limit: Seconds for the whole search (None: no limit).
         search_steps: Bisection steps over the DP's own budget.
         verbose: 1 or more shows a `rich` progress display.
@@ -85,7 +90,8 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes.
         strategy: `"time"` (least overhead within budget) or `"memory"`
-            (memory-centric: the lowest simulated peak).
+            (memory-centric: the lowest simulated peak, nesting segments
+            where the peak occurs when flat blocks miss the budget).
         buckets: Bands of cached bytes kept per key (more: closer to optimal,
             slower).
         search_steps: Bisection steps over the DP's own budget.
@@ -164,8 +170,17 @@ class _Search:
                                                        p.estimates["overhead"]))
         if seg.fits(best, self.budget_bytes):
             return best
+        refined = _refine.lower_peak(self.graph, best.segments, self.budget_bytes)
+        if refined != best.segments:
+            best = seg.finish_plan(self.graph, refined, planner=self.planner,
+                                   budget_bytes=self.budget_bytes, settings=self.settings,
+                                   extra={"refined": True,
+                                          "flat_peak_bytes": best.estimates["peak_bytes"]})
+            if seg.fits(best, self.budget_bytes):
+                return best
         raise seg.budget_error(self.budget_bytes, best.estimates["peak_bytes"], self.planner,
-                               f"Memory-centric DP at {len(MEMORY_SCAN)} DP budgets.")
+                               f"Memory-centric DP at {len(MEMORY_SCAN)} DP budgets, "
+                               "then nested where the peak occurs.")
 
     def time_centric(self, search_steps: int) -> Plan:
         empty = seg.finish_plan(self.graph, [], planner=self.planner,

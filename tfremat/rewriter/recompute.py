@@ -21,6 +21,7 @@ from keras.src import tree
 from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfremat.errors import UnsupportedModelError
+from tfremat.rewriter.checkpoint import recompute_grad
 
 
 def state_variables(layers: Sequence[Any]) -> list[Any]:
@@ -43,7 +44,8 @@ def state_variables(layers: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _activation_losses(layers: Sequence[Any]) -> int:
+def activation_losses(layers: Sequence[Any]) -> int:
+    """How many losses `layers` and their sublayers added in their calls."""
     return sum(len(sub._losses) for layer in layers for sub in layer._flatten_layers())
 
 
@@ -72,7 +74,7 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
     state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
     values = [tf.convert_to_tensor(x) for x in inputs]
-    # Only floating tensors go through tf.recompute_grad (it adds a float
+    # Only floating tensors go through recompute_grad (it adds a float
     # dependency to each argument); integer and boolean ones are bound as
     # constants of the recompute.
     differentiable = [i for i, x in enumerate(values) if x.dtype.is_floating]
@@ -84,9 +86,9 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
         for i, x in zip(differentiable, xs):
             args[i] = x
         if next(calls) == 0:  # The forward pass: state updates are kept.
-            losses = _activation_losses(layers)
+            losses = activation_losses(layers)
             outputs = fn(*args)
-            if _activation_losses(layers) != losses:
+            if activation_losses(layers) != losses:
                 raise UnsupportedModelError(
                     f"A layer among {[layer.name for layer in layers]} adds a loss "
                     "computed from its activations (add_loss or activity_regularizer); "
@@ -98,9 +100,9 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
             return fn(*args)
 
     positional = [values[i] for i in differentiable]
-    # tf.recompute_grad needs one argument at least: weights' gradients still
+    # recompute_grad needs one argument at least: weights' gradients still
     # flow when every input is an integer (e.g. token ids into an Embedding).
-    outputs = tf.recompute_grad(body)(*(positional or [tf.zeros(())]))
+    outputs = recompute_grad(body)(*(positional or [tf.zeros(())]))
     for inner, outer in zip(forward_outputs, tree.flatten(outputs)):
         mask = get_keras_mask(inner)
         if mask is not None:
