@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from tfremat.graph.extract import extract
 from tfremat.graph.plan_graph import PlanGraph
@@ -20,7 +21,7 @@ MIB = 2**20
 
 def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", strategy: str = "time",
-         offload: bool = False, time_limit: float = 60.0, verbose: int = 0,
+         offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
@@ -35,9 +36,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             `"chen-drop-cheap"`, `"chen-recursive"`, `"exact-dp"`, `"approx-dp"`.
         strategy: `"time"` (least recomputation under the budget) or `"memory"`
             (Kusumoto et al.'s memory-centric strategy) for the DP planners.
-        offload: Let `"auto"` offload activations to host memory when
-            recomputation alone cannot meet the budget. Off by default: the
-            rewriter does not apply offload boundaries yet.
+        offload: Let planner `"auto"` offload activations to host memory when
+            recomputation alone cannot meet the budget: True, False, or `"auto"`
+            (on when a GPU exists, so that there is a host to offload to).
         time_limit: Seconds the exact DP may take before falling back.
         verbose: 1 to show progress of long searches.
         graph: The model's PlanGraph, if already extracted.
@@ -56,7 +57,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     """
     if graph is None:
         graph = extract(model, batch_size=batch_size, sample=sample)
-    settings = {"offload": offload} if planner == "auto" else {}
+    if offload == "auto":
+        offload = bool(tf.config.list_physical_devices("GPU"))
+    settings = {"offload": bool(offload)} if planner == "auto" else {}
     result = make_plan(graph, int(budget_mb * MIB), planner=planner, strategy=strategy,
                        time_limit=time_limit, verbose=verbose, **settings)
     result.graph = graph
@@ -65,7 +68,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
 
 def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             budget_mb: float | None = None, batch_size: int | None = None,
-            sample: Any = None, planner: str = "auto", strategy: str = "time") -> keras.Model:
+            sample: Any = None, planner: str = "auto", strategy: str = "time",
+            compute_device: str | None = None, host_device: str | None = None) -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 
     Either pass a `Plan`, or a `budget_mb` (with `batch_size` or `sample`) to plan
@@ -79,6 +83,9 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         sample: One batch or a dataset for planning.
         planner: Planner name for planning.
         strategy: `"time"` or `"memory"` for planning.
+        compute_device: Device of the step, for plans with host offload
+            (default the first GPU).
+        host_device: Device holding offloaded tensors (default `"/CPU:0"`).
 
     Returns:
         The rewritten model, or `model` itself when the plan is empty (the
@@ -97,4 +104,5 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
     if plan_or_none.is_empty:
         logger.info("The plan is empty (the step already fits): no rewrite.")
         return model
-    return rewrite_model(model, plan_or_none)
+    return rewrite_model(model, plan_or_none, compute_device=compute_device,
+                         host_device=host_device)

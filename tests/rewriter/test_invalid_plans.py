@@ -67,12 +67,12 @@ def test_split_shared_layer_in_nested_segment_is_rejected():
         rewrite_model(model, plan)
 
 
-def test_offload_is_rejected_by_the_recompute_rewriter():
+def test_offload_onto_the_compute_device_itself_is_refused():
     model = h.deep_mlp()
     plan = h.plan_for(model, [])
     plan.offloaded = [Offload(f"{h.body_ids(model)[0]}:0")]
-    with pytest.raises(PlanValidationError, match="offload"):
-        rewrite_model(model, plan)
+    with pytest.raises(PlanValidationError, match="Offload needs two devices"):
+        rewrite_model(model, plan, compute_device="/CPU:0", host_device="/CPU:0")
 
 
 def _state(model: keras.Model, x) -> tuple:

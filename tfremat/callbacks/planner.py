@@ -44,6 +44,9 @@ class Planner(keras.callbacks.Callback):
             step, weights and optimizer state included.
         planner: Planner name (see `tfremat.plan`), `"auto"` by default.
         strategy: `"time"` or `"memory"` for the DP planners.
+        offload: Whether `"auto"` may offload activations to host memory:
+            True, False or `"auto"` (when a GPU exists). Offload needs the step
+            outside XLA: compile with `jit_compile=False` to use it.
         verbose: 1 prints the plan summary at the start of training.
         export: Path of a plan picture to write (`.png`, `.svg` or `.dot`).
         log_memory: Add `peak_memory_mb` and `predicted_peak_mb` to the logs.
@@ -64,7 +67,8 @@ class Planner(keras.callbacks.Callback):
     """
 
     def __init__(self, budget_mb: float, *, planner: str = "auto", strategy: str = "time",
-                 verbose: int = 1, export: str | None = None, log_memory: bool = True,
+                 offload: bool | str = "auto", verbose: int = 1, export: str | None = None,
+                 log_memory: bool = True,
                  log_batches: bool = False, replan: bool = True, max_replans: int = 2) -> None:
         super().__init__()
         if budget_mb <= 0:
@@ -72,6 +76,7 @@ class Planner(keras.callbacks.Callback):
         self.budget_mb = float(budget_mb)
         self.planner = planner
         self.strategy = strategy
+        self.offload = offload
         self.verbose = verbose
         self.export = export
         self.log_memory = log_memory
@@ -155,7 +160,8 @@ class Planner(keras.callbacks.Callback):
     def _make_plan(self, budget_mb: float) -> Plan:
         try:
             return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
-                            strategy=self.strategy, verbose=self.verbose)
+                            strategy=self.strategy, offload=self.offload,
+                            verbose=self.verbose)
         except BudgetError as e:
             raise BudgetError(self.budget_mb, e.min_budget_mb, e.planner,
                               "Raise budget_mb, lower the batch size, or use a "
@@ -223,11 +229,11 @@ class Planner(keras.callbacks.Callback):
                        peak_mb, self.budget_mb, target)
         try:
             plan = api.plan(self.model, target, graph=self.graph, planner=self.planner,
-                            strategy=self.strategy)
+                            strategy=self.strategy, offload=self.offload)
         except BudgetError as e:
             # Best effort: the plan with the lowest predicted peak.
             plan = api.plan(self.model, e.min_budget_mb, graph=self.graph,
-                            planner=self.planner, strategy="memory")
+                            planner=self.planner, strategy="memory", offload=self.offload)
             warnings.warn(
                 f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
                 f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "

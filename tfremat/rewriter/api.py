@@ -6,15 +6,19 @@ from typing import Any
 
 import keras
 
-from tfremat.errors import TfrematError, UnsupportedModelError
+import tensorflow as tf
+
+from tfremat.errors import PlanValidationError, TfrematError, UnsupportedModelError
 from tfremat.graph.keras_graph import is_subclassed, walk_with_outputs
 from tfremat.planners.plan import Plan
-from tfremat.rewriter.functional import rebuild
+from tfremat.rewriter.functional import OffloadSettings, rebuild
 from tfremat.rewriter.validate import structure_graph, validate_plan
 
 
-def rewrite_model(model: keras.Model, plan: Plan, *, sample: Any = None) -> keras.Model:
-    """A model computing the same as `model`, recomputing the plan's segments.
+def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None = None,
+                  host_device: str | None = None, sample: Any = None) -> keras.Model:
+    """A model computing the same as `model`, recomputing the plan's segments
+    and keeping its offloaded tensors on the host.
 
     The new model shares `model`'s layer objects and weights: training either
     trains both. Each top-level segment runs as one `RecomputeSegment` layer
@@ -30,10 +34,29 @@ def rewrite_model(model: keras.Model, plan: Plan, *, sample: Any = None) -> kera
     of the user's class sharing its sublayers, whose chosen sublayers run
     under recomputation.
 
+    Host offload (`plan.offloaded`, functional and Sequential models): each
+    offloaded tensor is copied to `host_device` after the call making it, and
+    each call (or top-level segment) reading it runs as an `OffloadUnit` whose
+    backward copies the tensor back to `compute_device` and differentiates the
+    call from that copy, so the device copy is freed after its last forward
+    use. The copy back starts after the backward of the layer named by
+    `prefetch_after` (a later layer), or just in time when None. Gradients are
+    bit-identical to the original's for calls whose gradient needs only their
+    inputs (Conv2D, Dense, whose dead re-run Grappler prunes); a call whose
+    gradient needs its own output (ReLU, BatchNorm) is re-run from the copy,
+    and a segment reading an offloaded tensor is recomputed from it. On a GPU
+    the host copies land in pinned memory (TensorFlow's `gpu_host_bfc`
+    allocator, capped by `TF_GPU_HOST_MEM_LIMIT_IN_MB`). XLA ignores
+    `tf.device`: compile the rewritten model with `jit_compile=False` (Keras's
+    default "auto" means True on a GPU); offload units warn when traced under
+    XLA. A model with offload does not save: save the original (it shares the
+    weights) and rewrite it again.
+
     Limits: Keras masks must not cross a segment border, and a layer adding a
     loss from its activations (`add_loss`, `activity_regularizer`) must stay
-    outside segments; both raise `UnsupportedModelError`. Host offload in the
-    plan is refused (`PlanValidationError`).
+    outside segments and offload units; both raise `UnsupportedModelError`.
+    A tensor recomputed inside its segment, a model output, or any tensor of a
+    subclassed model cannot be offloaded (`PlanValidationError`).
 
     Saving: the rewritten functional model saves to `.keras` and loads with
     `keras.models.load_model` once `tfremat.rewriter` is imported. Its weight
@@ -44,7 +67,11 @@ def rewrite_model(model: keras.Model, plan: Plan, *, sample: Any = None) -> kera
     Args:
         model: A built functional, Sequential or subclassed Keras model.
         plan: A plan made for this model's graph (`Plan.graph_fingerprint`
-            must match); only recompute segments are applied.
+            must match).
+        compute_device: The device the model computes on (offload only).
+            Default: `"/GPU:0"` when a GPU exists.
+        host_device: The device of the host copies (offload only). Default:
+            `"/CPU:0"`.
         sample: Subclassed models only: one input batch, to find the order
             of the sublayer calls when the shapes the model was built with do
             not tell its input (several inputs, integer inputs).
@@ -57,7 +84,8 @@ def rewrite_model(model: keras.Model, plan: Plan, *, sample: Any = None) -> kera
         PlanMismatchError: the plan was made for another model or graph.
         PlanValidationError: the plan's segments are malformed for this model
             (unknown ids, input layers, overlaps, non-convex segments, shared
-            layers split across segments), or it asks for host offload.
+            layers split across segments), or its offloads cannot be applied
+            (see above), or there is no separate device to offload to.
         UnsupportedModelError: the model cannot be rewritten.
 
     Example:
@@ -77,13 +105,39 @@ def rewrite_model(model: keras.Model, plan: Plan, *, sample: Any = None) -> kera
     if is_subclassed(model):
         from tfremat.rewriter.subclassed import rewrite_subclassed
 
+        if plan.offloaded:
+            raise PlanValidationError(
+                f"Subclassed model {model.name!r}: host offload is applied to "
+                "functional and Sequential models only. Plan without offload.")
         return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
-    validate_plan(plan, structure_graph(sites, model.name))
+    validate_plan(plan, structure_graph(sites, model.name), output_refs)
+    offload = None
+    if plan.offloaded:
+        offload = OffloadSettings({o.tensor: o.prefetch_after for o in plan.offloaded},
+                                  *_offload_devices(compute_device, host_device))
     try:
-        return rebuild(model, sites, output_refs, plan.segments)
+        return rebuild(model, sites, output_refs, plan.segments, offload)
     except TfrematError:
         raise
     except ValueError as e:
         raise UnsupportedModelError(
             f"Could not rebuild {model.name!r} with the plan's segments: {e}") from e
+
+
+def _offload_devices(compute_device: str | None,
+                     host_device: str | None) -> tuple[str, str]:
+    """The compute and host devices of an offload plan, defaults filled in."""
+    if compute_device is None:
+        if not tf.config.list_logical_devices("GPU"):
+            raise PlanValidationError(
+                "The plan offloads tensors to the host, but this machine has no GPU: "
+                "there is no separate device to offload from. Plan without offload, "
+                "or pass compute_device and host_device explicitly.")
+        compute_device = "/GPU:0"
+    host_device = host_device or "/CPU:0"
+    if tf.DeviceSpec.from_string(compute_device) == tf.DeviceSpec.from_string(host_device):
+        raise PlanValidationError(
+            f"Offload needs two devices; compute_device and host_device are both "
+            f"{compute_device!r}.")
+    return compute_device, host_device

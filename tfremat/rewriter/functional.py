@@ -5,10 +5,16 @@ Each Keras Node of the original model is replayed on its own layer object
 model shares every layer and weight with the original. The nodes of a segment
 are replayed into a functional sub-model instead, wrapped in one
 `RecomputeSegment` layer; nested segments are sub-models inside it.
+
+With host offload (`OffloadSettings`), each offloaded tensor gets a `HostCopy`
+after the unit making it, each top-level unit reading it (a layer call or a
+segment) becomes an `OffloadUnit` taking the host copy too, and each prefetch
+trigger's inputs pass through a `GradientSignal`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import keras
@@ -18,14 +24,35 @@ from keras.src.backend import get_keras_mask
 from tfremat.errors import UnsupportedModelError
 from tfremat.graph.keras_graph import CallSite, as_functional
 from tfremat.planners.plan import Segment
+from tfremat.rewriter.offload import GradientSignals
+from tfremat.rewriter.offload_layers import GradientSignal, HostCopy, OffloadUnit
 from tfremat.rewriter.segment_layer import RecomputeSegment
+
+
+@dataclasses.dataclass
+class OffloadSettings:
+    """What the rebuild offloads, and where.
+
+    Attributes:
+        prefetch_after: Prefetch trigger node id (or None) of each offloaded
+            tensor reference.
+        compute_device: Device of the model's compute, e.g. `"/GPU:0"`.
+        host_device: Device of the host copies, e.g. `"/CPU:0"`.
+        signals: The prefetch triggers' gradients, shared by the model's
+            offload layers.
+    """
+
+    prefetch_after: dict[str, str | None]
+    compute_device: str
+    host_device: str
+    signals: GradientSignals = dataclasses.field(default_factory=GradientSignals)
 
 
 class _Rebuild:
     """State of one rebuild: the original call sites and who reads what."""
 
     def __init__(self, sites: Sequence[CallSite], output_refs: Sequence[str],
-                 taken_names: set[str]) -> None:
+                 taken_names: set[str], offload: OffloadSettings | None) -> None:
         self.sites = {s.id: s for s in sites}
         self.order = {s.id: i for i, s in enumerate(sites)}
         self.symbolic = {f"{s.id}:{i}": t
@@ -36,6 +63,9 @@ class _Rebuild:
                 self.readers.setdefault(ref, set()).add(s.id)
         self.model_outputs = set(output_refs)
         self.taken_names = taken_names
+        self.offload = offload or OffloadSettings({}, "", "")
+        self.triggers = {t for t in self.offload.prefetch_after.values() if t is not None}
+        self.host: dict[str, Any] = {}
 
     def unique_name(self, name: str) -> str:
         candidate, k = name, 1
@@ -59,8 +89,12 @@ class _Rebuild:
         return inputs, outputs
 
     def run(self, node_ids: list[str], segments: Sequence[Segment],
-            env: dict[str, Any], prefix: str) -> None:
-        """Replays `node_ids` (segments as units) on the tensors in `env`."""
+            env: dict[str, Any], prefix: str, top: bool = False) -> None:
+        """Replays `node_ids` (segments as units) on the tensors in `env`;
+        at the `top` level, units reading offloaded tensors become offload
+        units and offloaded tensors get host copies."""
+        if top:
+            self.copy_to_host(env)
         in_segment = {n for seg in segments for n in seg.nodes}
         units: list[Any] = list(segments)
         units += [n for n in node_ids if n not in in_segment]
@@ -78,14 +112,31 @@ class _Rebuild:
                     "their inputs are never computed.")
             pending.pop(pos)
             unit = units[k]
-            if isinstance(unit, Segment):
+            if top and any(ref in self.offload.prefetch_after for ref in needs):
+                self.run_offload_unit(unit, env, f"offload_{prefix}_{k}")
+            elif isinstance(unit, Segment):
                 self.run_segment(unit, env, f"{prefix}_{k}")
             else:
                 self.replay(self.sites[unit], env)
+            if top:
+                self.copy_to_host(env)
+
+    def copy_to_host(self, env: dict[str, Any]) -> None:
+        """Adds a `HostCopy` of each offloaded tensor of `env` not copied yet."""
+        for ref in self.offload.prefetch_after:
+            if ref in env and ref not in self.host:
+                name = self.unique_name(f"host_copy_{ref.replace(':', '_')}")
+                self.host[ref] = HostCopy(self.offload.host_device, name=name)(env[ref])
 
     def replay(self, site: CallSite, env: dict[str, Any]) -> None:
         """Calls the site's layer on the tensors of `env`, as its node did."""
-        filled = {id(t): env[ref] for t, ref in zip(site.input_tensors, site.inputs)}
+        values = {ref: env[ref] for ref in site.inputs}
+        if site.id in self.triggers:
+            name = self.unique_name(f"prefetch_trigger_{site.id.replace('/', '_')}")
+            signalled = GradientSignal(self.offload.signals, site.id, name=name)(
+                list(values.values()))
+            values = dict(zip(values, signalled))
+        filled = {id(t): values[ref] for t, ref in zip(site.input_tensors, site.inputs)}
         args, kwargs = site.node.arguments.fill_in(filled)
         outputs = tree.flatten(site.operation(*args, **kwargs))
         for i, t in enumerate(outputs):
@@ -94,6 +145,33 @@ class _Rebuild:
     def run_segment(self, segment: Segment, env: dict[str, Any], name: str) -> None:
         """Replays a segment as one `RecomputeSegment` call."""
         name = self.unique_name(name)
+        submodel, inputs, outputs = self.submodel(segment, name)
+        layer = RecomputeSegment(submodel, name=name)
+        results = layer([env[ref] for ref in inputs])
+        for ref, t in zip(outputs, results):
+            env[ref] = t
+
+    def run_offload_unit(self, unit: Segment | str, env: dict[str, Any],
+                         name: str) -> None:
+        """Replays a segment or one call reading offloaded tensors as one
+        `OffloadUnit` call, given the host copies of those tensors."""
+        name = self.unique_name(name)
+        segment = unit if isinstance(unit, Segment) else Segment([unit])
+        submodel, inputs, outputs = self.submodel(segment, name)
+        offloaded = [i for i, ref in enumerate(inputs) if ref in self.host]
+        layer = OffloadUnit(
+            submodel, offloaded,
+            [self.offload.prefetch_after[inputs[i]] for i in offloaded],
+            self.offload.compute_device, self.offload.signals, name=name)
+        results = layer([env[ref] for ref in inputs]
+                        + [self.host[inputs[i]] for i in offloaded])
+        for ref, t in zip(outputs, results):
+            env[ref] = t
+
+    def submodel(self, segment: Segment,
+                 name: str) -> tuple[keras.Model, list[str], list[str]]:
+        """The segment's calls as a functional sub-model, with the references
+        of its inputs and outputs."""
         node_ids = set(segment.nodes)
         inputs, outputs = self.boundary(node_ids)
         if not outputs:
@@ -117,21 +195,21 @@ class _Rebuild:
         self.run(ordered, segment.children, local, name)
         submodel = keras.Model(sub_inputs, [local[ref] for ref in outputs],
                                name=f"{name}_graph")
-        layer = RecomputeSegment(submodel, name=name)
-        results = layer([env[ref] for ref in inputs])
-        for ref, t in zip(outputs, results):
-            env[ref] = t
+        return submodel, inputs, outputs
 
 
 def rebuild(model: keras.Model, sites: Sequence[CallSite],
-            output_refs: Sequence[str], segments: Sequence[Segment]) -> keras.Model:
-    """A new functional model sharing `model`'s layers, with recompute segments.
+            output_refs: Sequence[str], segments: Sequence[Segment],
+            offload: OffloadSettings | None = None) -> keras.Model:
+    """A new functional model sharing `model`'s layers, with recompute segments
+    and host offload.
 
     Args:
         model: A functional or Sequential model.
         sites: Its call sites (`walk`), in execution order.
         output_refs: References of its outputs, in `model.outputs` order.
         segments: Validated top-level recompute segments.
+        offload: The validated offloads, or None.
 
     Returns:
         A new `keras.Model` with the same inputs structure and outputs
@@ -139,12 +217,13 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
     """
     functional = as_functional(model)
     taken = {s.operation.name for s in sites} | {s.layer_key for s in sites}
-    state = _Rebuild(sites, output_refs, taken)
+    state = _Rebuild(sites, output_refs, taken, offload)
     env: dict[str, Any] = {}
     for s in sites:
         if s.is_input:
             env[f"{s.id}:0"] = s.output_tensors[0]
-    state.run([s.id for s in sites if not s.is_input], segments, env, "recompute")
+    state.run([s.id for s in sites if not s.is_input], segments, env, "recompute",
+              top=True)
     outputs = tree.pack_sequence_as(functional._outputs_struct,
                                     [env[ref] for ref in output_refs])
     return keras.Model(functional._inputs_struct, outputs,

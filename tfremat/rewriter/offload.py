@@ -1,0 +1,279 @@
+"""The host-offload mechanism: host copies, gated prefetches, offload units.
+
+An offloaded tensor is copied to the host once in the forward pass
+(`to_host`). Every call reading it runs as an offload unit (`offload_call`):
+a `tf.custom_gradient` whose forward passes the device tensor on and whose
+gradient copies the host copy back (`from_host`) and runs the unit's backward
+from it under a tape. No backward op reads the device tensor, so it is freed
+after its last forward use. Re-running the unit in the backward pass is no
+extra compute for Conv2D/Dense: their gradients need only their inputs, so
+Grappler prunes the dead re-run; ops whose gradient needs their own output
+(ReLU, tanh, BatchNorm's moments) are recomputed.
+
+Two Grappler details (NOTES.md, "Host offload in graph mode"): copies are
+marked `_grappler_do_not_remove`, else the dependency optimizer removes the
+compute -> host -> compute Identity round trip (a copy back is marked only
+when the gradient reads it, so that Grappler prunes unread ones, e.g. of an
+Add, whose gradient needs no input); and the prefetch gate sits on
+the host side (a host identity with a control dependency on the trigger), since
+a control dependency on the device-side copy does not delay the transfer.
+
+XLA ignores `tf.device`: inside a `jit_compile=True` function the copies are
+plain identities and nothing is offloaded (`offload_call` warns).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.backend import get_keras_mask, set_keras_mask
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.ops import control_flow_util
+
+from tfremat.errors import UnsupportedModelError
+from tfremat.rewriter.recompute import activation_losses, state_variables
+
+KEEP_ATTR = "_grappler_do_not_remove"
+
+
+def _keep(tensor: tf.Tensor) -> tf.Tensor:
+    """Marks the op making `tensor` so that Grappler does not remove it."""
+    if not tf.executing_eagerly():
+        tensor.op._set_attr(KEEP_ATTR, attr_value_pb2.AttrValue(b=True))
+    return tensor
+
+
+def _in_xla() -> bool:
+    if tf.executing_eagerly():
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def to_host(tensor: Any, host_device: str) -> tf.Tensor:
+    """A copy of `tensor` placed on `host_device`, kept by Grappler.
+
+    Args:
+        tensor: The device tensor.
+        host_device: Where the copy lives, e.g. `"/CPU:0"`. On a GPU machine
+            TensorFlow places a GPU -> CPU copy in pinned host memory (the
+            `gpu_host_bfc` allocator).
+
+    Returns:
+        The host copy.
+    """
+    with tf.device(host_device):
+        return _keep(tf.identity(tensor, name="offload_to_host"))
+
+
+def from_host(host_copy: tf.Tensor, compute_device: str,
+              trigger: tf.Tensor | None = None) -> tf.Tensor:
+    """Copies a host copy back to `compute_device`, after `trigger` if given.
+
+    The copy is not marked for Grappler yet: `keep_if_read` marks it once the
+    gradient that should read it is built.
+
+    Args:
+        host_copy: The tensor `to_host` made.
+        compute_device: Where the copy back lives.
+        trigger: A gradient tensor; the copy back starts once it is computed
+            (the gate is a host-side identity with a control dependency on it).
+            None: the copy back runs when the gradient needing it runs.
+
+    Returns:
+        The tensor on `compute_device`.
+    """
+    source = host_copy
+    if trigger is not None:
+        with tf.device(host_copy.device or None), tf.control_dependencies([trigger]):
+            source = tf.identity(host_copy, name="prefetch_gate")
+    with tf.device(compute_device):
+        return tf.identity(source, name="prefetch")
+
+
+def keep_if_read(copies: Sequence[tf.Tensor], results: Sequence[Any]) -> None:
+    """Marks for Grappler the copies back (`from_host`) that `results` read.
+
+    A marked copy back stays a device-placed copy (unmarked, Grappler folds it
+    into its readers). An unread one (the re-run of an Add, whose gradient
+    needs no input) stays unmarked, so Grappler prunes it with its gate.
+
+    Args:
+        copies: Tensors `from_host` made.
+        results: The gradients computed from them (None entries allowed).
+    """
+    if tf.executing_eagerly():
+        return
+    targets = {id(t.op) for t in results if t is not None}
+    for copy in copies:
+        seen: set[int] = set()
+        stack = [copy.op]
+        while stack:
+            op = stack.pop()
+            if id(op) in targets:
+                _keep(copy)
+                if copy.op.inputs[0].op.name.endswith("prefetch_gate"):
+                    _keep(copy.op.inputs[0])
+                break
+            for out in op.outputs:
+                for reader in out.consumers():
+                    if id(reader) not in seen:
+                        seen.add(id(reader))
+                        stack.append(reader)
+
+
+class GradientSignals:
+    """The gradients of the prefetch triggers, as the backward pass makes them.
+
+    `tape.gradient` runs gradient functions in reverse layer order, so the
+    signal of a trigger that comes later in the forward pass is recorded before
+    the gradient of an earlier offload unit asks for it. A signal recorded in
+    another graph (an earlier trace) is never returned.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tf.Tensor] = {}
+
+    def record(self, key: str, tensor: tf.Tensor) -> None:
+        self._latest[key] = tensor
+
+    def get(self, key: str | None) -> tf.Tensor | None:
+        """The latest gradient of trigger `key` in the graph being built
+        (None in eager mode, where execution is already ordered)."""
+        tensor = self._latest.get(key) if key is not None else None
+        if tensor is None or tf.executing_eagerly():
+            return None
+        return tensor if tensor.graph is tf.compat.v1.get_default_graph() else None
+
+
+def signal_gradient(inputs: Sequence[Any], signals: GradientSignals, key: str) -> list[Any]:
+    """Identity on `inputs` whose gradient is recorded as signal `key`.
+
+    Wrapped around the inputs of a trigger layer call, the recorded tensor is
+    the gradient that the trigger's backward produces.
+
+    Args:
+        inputs: The trigger call's input tensors.
+        signals: Where the gradient is recorded.
+        key: The trigger's node id.
+
+    Returns:
+        The inputs, floating ones through the identity.
+    """
+    values = [tf.convert_to_tensor(x) for x in inputs]
+    floating = [i for i, x in enumerate(values) if x.dtype.is_floating]
+    if not floating:
+        return values
+
+    @tf.custom_gradient
+    def identity(*xs: tf.Tensor) -> Any:
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            dys = [tf.zeros_like(x) if dy is None else dy for x, dy in zip(xs, dys)]
+            # A side identity, off the gradient's data path, so that Grappler
+            # fuses the trigger's backward as in the original model.
+            signals.record(key, _keep(tf.identity(dys[0], name="prefetch_trigger")))
+            return dys
+
+        return [tf.identity(x) for x in xs], grad
+
+    passed = identity(*[values[i] for i in floating])
+    for i, x in zip(floating, passed):
+        values[i] = x
+    return values
+
+
+def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
+                 host_copies: Mapping[int, tf.Tensor], layers: Sequence[Any], *,
+                 compute_device: str, signals: GradientSignals,
+                 triggers: Mapping[int, str | None]) -> Any:
+    """Runs `fn(*inputs)` whose backward reads offloaded inputs from the host.
+
+    The forward pass runs `fn` on `inputs` and keeps nothing of it. The
+    gradient copies each offloaded input back from its host copy (after its
+    trigger's gradient, see `GradientSignals`), re-runs `fn` under a tape on
+    `compute_device`, with the other inputs as they were, and differentiates
+    it. The re-run sees the state variables of the forward pass (BatchNorm
+    statistics, dropout seeds) and assigns none of them, as in
+    `tfremat.rewriter.recompute.recompute`.
+
+    Args:
+        fn: A function of positional tensors only (bind `training` in a
+            closure: `tf.custom_gradient` refuses keywords in graph mode).
+        inputs: The device tensors to pass to `fn`.
+        host_copies: Host copy (`to_host`) of each offloaded input, by
+            position in `inputs`.
+        layers: The Keras layers `fn` calls.
+        compute_device: Where the backward re-run and the copies back run.
+        signals: The gradient signals of the prefetch triggers.
+        triggers: Trigger node id (or None: just in time) of each offloaded
+            input, by position in `inputs`.
+
+    Returns:
+        What `fn` returns, with the Keras masks of the forward pass.
+
+    Raises:
+        UnsupportedModelError: a layer adds a loss computed from its
+            activations (its gradient would bypass the unit).
+    """
+    if _in_xla():
+        warnings.warn(
+            "A host-offload unit is traced inside an XLA-compiled function "
+            "(jit_compile=True); XLA ignores tf.device, so nothing is offloaded. "
+            "Compile the model with jit_compile=False.", stacklevel=2)
+    state = state_variables(layers)
+    snapshots = [tf.identity(v.value) for v in state]
+    values = [tf.convert_to_tensor(x) for x in inputs]
+    differentiable = [i for i, x in enumerate(values) if x.dtype.is_floating]
+    structure: list[Any] = []
+    masks: list[Any] = []
+
+    def run(args: list[Any]) -> list[Any]:
+        outputs = fn(*args)
+        structure[:] = [outputs]
+        return tree.flatten(outputs)
+
+    @tf.custom_gradient
+    def unit(*xs: tf.Tensor) -> Any:
+        args = list(values)
+        for i, x in zip(differentiable, xs):
+            args[i] = x
+        losses = activation_losses(layers)
+        outputs = run(args)
+        if activation_losses(layers) != losses:
+            raise UnsupportedModelError(
+                f"A layer among {[layer.name for layer in layers]} adds a loss computed "
+                "from its activations (add_loss or activity_regularizer); its gradient "
+                "cannot flow through an offload unit. Do not offload its inputs.")
+        masks[:] = [get_keras_mask(t) for t in outputs]
+
+        def grad(*dys: tf.Tensor, variables: Sequence[Any] = ()) -> Any:
+            replay = list(args)
+            for i, host in host_copies.items():
+                replay[i] = from_host(host, compute_device, signals.get(triggers[i]))
+            watched = [replay[i] for i in differentiable]
+            with tf.device(compute_device), tf.GradientTape() as tape:
+                tape.watch(watched)
+                tape.watch(list(variables))
+                with keras.StatelessScope(state_mapping=list(zip(state, snapshots))):
+                    again = run(replay)
+                grads = tape.gradient(
+                    again, watched + list(variables),
+                    output_gradients=[tf.zeros_like(o) if dy is None else dy
+                                      for o, dy in zip(again, dys)],
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            keep_if_read([replay[i] for i in host_copies], grads)
+            input_grads = grads[:len(watched)] or [tf.zeros(())]
+            return input_grads, grads[len(watched):]
+
+        return [tf.identity(t) for t in outputs], grad
+
+    # tf.custom_gradient needs one argument at least (all inputs integer).
+    flat = list(unit(*([values[i] for i in differentiable] or [tf.zeros(())])))
+    for t, mask in zip(flat, masks):
+        if mask is not None:
+            set_keras_mask(t, mask)
+    return tree.pack_sequence_as(structure[0], flat)
+
