@@ -156,3 +156,25 @@ def test_mirrored_strategy_on_two_logical_cpus(budget_mb):
                      callbacks=[planner])
     assert not planner.plan.is_empty
     np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-4)
+
+
+def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):
+    x, y = data(2)
+    model = make_model(jit_compile=True)
+    real_plan = planner_module.api.plan
+    real_rewrite = planner_module.api.rewrite
+
+    def with_offload(model, budget, **kwargs):
+        plan = real_plan(model, budget, **kwargs)
+        node = next(n.id for n in kwargs["graph"] if n.class_name == "Conv2D"
+                    and all(n.id not in s.nodes for s in plan.segments))
+        plan.offloaded = [tfremat.Offload(f"{node}:0")]
+        return plan
+
+    monkeypatch.setattr(planner_module.api, "plan", with_offload)
+    monkeypatch.setattr(planner_module.api, "rewrite", lambda m, p: real_rewrite(
+        m, p, compute_device="/CPU:0", host_device="/CPU:1"))
+    with pytest.warns(RuntimeWarning, match="XLA cannot"):
+        model.fit(x, y, batch_size=BATCH, verbose=0,
+                  callbacks=[tfremat.Planner(budget_mb, verbose=0, replan=False)])
+    assert model.jit_compile is True

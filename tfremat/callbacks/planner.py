@@ -91,6 +91,7 @@ class Planner(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.plan = None
         self.graph = None
+        self._jit_compile: bool | str | None = None
         self.epoch_peaks_mb: list[float] = []
         self.replans = 0
         self._measuring = False
@@ -99,6 +100,9 @@ class Planner(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._restore_call()
+        if self._jit_compile is not None:
+            self.model.jit_compile = self._jit_compile
+            self._jit_compile = None
         self.model.train_function = None  # the next fit traces the plain model
 
     # -- planning and applying -------------------------------------------------
@@ -174,6 +178,13 @@ class Planner(keras.callbacks.Callback):
         if not plan.is_empty:
             rewritten = api.rewrite(self.model, plan)
             self.model.call = rewritten.call
+        if plan.offloaded and self.model.jit_compile:
+            # XLA ignores tf.device: the host copies would stay on the device.
+            warnings.warn("tfremat: the plan offloads activations to host memory, which "
+                          "XLA cannot do; this fit runs the step without XLA.",
+                          RuntimeWarning, stacklevel=2)
+            self._jit_compile = self.model.jit_compile
+            self.model.jit_compile = False
         self.model.make_train_function(force=True)
         self._report(plan)
         tf.config.experimental.reset_memory_stats(self.device)
