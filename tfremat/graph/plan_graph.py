@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from typing import Any, Iterable, Iterator
+
+from tfremat import jsonio
 
 FORMAT_VERSION = 1
 
@@ -285,11 +286,7 @@ class PlanGraph:
 
     def to_json(self, path: str | None = None, *, indent: int | None = None) -> str:
         """Serialises the graph to JSON, also writing it to `path` if given."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+        return jsonio.dumps(self.to_dict(), path, indent=indent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PlanGraph":
@@ -321,8 +318,4 @@ class PlanGraph:
     @classmethod
     def from_json(cls, text_or_path: str) -> "PlanGraph":
         """Reads a graph from a JSON string or a path to a JSON file."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(jsonio.loads(text_or_path))

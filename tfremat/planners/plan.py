@@ -7,9 +7,9 @@ read by the simulator and the rewriter.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
+from tfremat import jsonio
 from tfremat.errors import PlanMismatchError, PlanValidationError
 from tfremat.graph.plan_graph import PlanGraph
 
@@ -172,11 +172,7 @@ class Plan:
 
     def to_json(self, path: str | None = None, *, indent: int | None = 2) -> str:
         """Serialises the plan, also writing it to `path` if given."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+        return jsonio.dumps(self.to_dict(), path, indent=indent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
@@ -197,11 +193,7 @@ class Plan:
     @classmethod
     def from_json(cls, text_or_path: str) -> "Plan":
         """Reads a plan from a JSON string or a path to a JSON file."""
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(jsonio.loads(text_or_path))
 
 
 def is_convex(graph: PlanGraph, node_ids: set[str],
