@@ -95,7 +95,6 @@ class Planner(keras.callbacks.Callback):
         self.epoch_peaks_mb: list[float] = []
         self.replans = 0
         self._measuring = False
-        self._original_train_function = self.model.train_function
         self.model.train_function = self._first_step
 
     def on_train_end(self, logs: dict | None = None) -> None:
