@@ -5,7 +5,8 @@ minimum feasible budget (by the simulator) the measured peak of the rewritten
 model, the predicted peak and the step-time ratio to vanilla; then, with the
 sqrt(n) plan's measured peak as the budget, each planner's peak and step-time
 ratio. Peaks: TensorFlow's allocator peak over one SGD training step (weights
-and batch included), median of several steps. Step times: vanilla and
+and batch included), median of several steps, each variant measured with no
+other step function alive (see `alone_peak_bytes`). Step times: vanilla and
 rewritten steps run alternately in one process, median per model. Each model
 runs in its own subprocess so no measurement sees another model's memory.
 
@@ -18,6 +19,7 @@ Writes benchmarks/results/planners.md and benchmarks/results/planners.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -144,6 +146,22 @@ class Runner:
         return int(statistics.median(peaks))
 
 
+def alone_peak_bytes(model: Any, batch_size: int, repeats: int) -> int:
+    """The peak of `model`'s step with no other step function alive.
+
+    Every traced step function keeps buffers of its own between calls (its batch,
+    kernel caches: 10-25 MiB each on U-Net), and they count in the allocator's
+    peak, so measuring with the other variants' runners alive inflates later
+    variants' peaks by their sum. Each peak is therefore measured alone.
+    """
+    runner = Runner(model, batch_size)
+    try:
+        return runner.peak_bytes(repeats)
+    finally:
+        del runner
+        gc.collect()
+
+
 def step_seconds(runners: dict[str, Runner], repeats: int) -> dict[str, float]:
     """Median step time of each runner, steps run alternately."""
     times: dict[str, list[float]] = {k: [] for k in runners}
@@ -171,13 +189,13 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
 
     model, batch = build_model(name)
     graph, extract_s = timed(lambda: extract(model, batch_size=batch))
-    runners = {"vanilla": Runner(model, batch)}
+    models = {"vanilla": model}  # runner key -> model to step
     record: dict[str, Any] = {
         "model": name, "size": MODELS[name][1], "batch": batch, "nodes": len(graph),
         "extract_s": extract_s, "persistent_mib": graph.total_persistent_bytes / MIB,
         "weight_grad_mib": sum(n.param_bytes for n in graph) / MIB,
         "vanilla": {"predicted_mib": simulate(graph).peak_bytes / MIB,
-                    "measured_mib": runners["vanilla"].peak_bytes(repeats) / MIB},
+                    "measured_mib": alone_peak_bytes(model, batch, repeats) / MIB},
         "rows": []}
     by_segments: dict[str, str] = {}  # plan segments -> runner key
     peaks: dict[str, float] = {}  # runner key -> measured peak MiB
@@ -189,8 +207,8 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
             if rewritten is not model:
                 compile_like_original(rewritten)
             by_segments[key] = f"{label} @ {budget_kind}"
-            runners[by_segments[key]] = Runner(rewritten, batch)
-            peaks[by_segments[key]] = runners[by_segments[key]].peak_bytes(repeats) / MIB
+            models[by_segments[key]] = rewritten
+            peaks[by_segments[key]] = alone_peak_bytes(rewritten, batch, repeats) / MIB
         row = {"planner": label, "budget": budget_kind, "runner": by_segments[key],
                "budget_mib": plan.budget_bytes / MIB, "plan_s": plan_s,
                "predicted_mib": plan.estimates["peak_bytes"] / MIB,
@@ -232,6 +250,7 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
                                        "error": type(err).__name__})
                 continue
             record["rows"].append(measure(label, "sqrt", plan, plan_s))
+    runners = {key: Runner(m, batch) for key, m in models.items()}
     seconds = step_seconds(runners, steps)
     record["vanilla"]["step_s"] = seconds["vanilla"]
     for row in record["rows"]:
@@ -324,7 +343,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"Command: `{data['command']}`",
         "",
         f"Machine: {data['machine']}. Peaks: allocator peak of one SGD step (weights, "
-        f"gradients, batch included), median of {data['repeats']} steps. Step time: "
+        f"gradients, batch included), median of {data['repeats']} steps, with no other "
+        "variant's step function alive. Step time: "
         f"median of {data['steps']} steps run alternately with vanilla and every other "
         "rewritten model in one process. \"auto\" runs without host offload (its "
         "savings cannot be measured on CPU).",
@@ -364,7 +384,9 @@ def markdown(data: dict[str, Any]) -> str:
                 f"| {row['plan_s']:.2f} |")
         lines.append("")
     if data["timings"]:
-        lines += ["## Planner timings", "", "| run | wall time |", "|---|---|"]
+        lines += ["## Planner timings", "",
+                  f"Command: `{data.get('timings_command', data['command'])}`", "",
+                  "| run | wall time |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in data["timings"].items()] + [""]
     return "\n".join(lines)
 
@@ -422,12 +444,18 @@ def main() -> None:
                         help="Timed steps per model variant (default 5, quick 2).")
     parser.add_argument("--render", action="store_true",
                         help="Only rewrite planners.md and planners.png from planners.json.")
+    parser.add_argument("--timings", action="store_true",
+                        help="Only re-measure the planner timings into planners.json.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.render:
+    if args.render or args.timings:
         with open(os.path.join(RESULTS, "planners.json")) as f:
-            print(write_results(json.load(f)))
+            data = json.load(f)
+        if args.timings:
+            data["timings"] = planner_timings()
+            data["timings_command"] = "python benchmarks/planners.py --timings"
+        print(write_results(data))
         return
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.steps = args.steps or (2 if args.quick else 5)
