@@ -85,12 +85,17 @@ def measure_step(run: Callable[[], Any], *, device: str | None = None,
 
 
 def synthetic_batch(spec: Any, seed: int = 0) -> Any:
-    """A batch of random tensors matching a nest of `tf.TensorSpec`s."""
-    rng = np.random.default_rng(seed)
+    """A batch of random tensors matching a nest of `tf.TensorSpec`s.
+
+    The tensors are made by TensorFlow ops, so they live in TensorFlow's
+    allocator and count in its peak, as a real batch does. (A tensor made from
+    a NumPy array may share the array's memory instead, depending on its
+    alignment, and then does not count.)
+    """
 
     def make(s: tf.TensorSpec) -> tf.Tensor:
         if s.dtype.is_floating:
-            return tf.constant(rng.standard_normal(s.shape.as_list()), dtype=s.dtype)
+            return tf.random.stateless_normal(s.shape, seed=(seed, 0), dtype=s.dtype)
         return tf.zeros(s.shape, dtype=s.dtype)
 
     return tf.nest.map_structure(make, spec)

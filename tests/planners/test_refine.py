@@ -95,7 +95,8 @@ def test_isolating_a_branch_recomputes_it_just_before_its_backward():
 def test_memory_centric_dp_reaches_below_the_flat_planners():
     graph = G.chain(64)
     memory = min_feasible_budget(graph, "approx-dp", strategy="memory")
-    assert memory < min_feasible_budget(graph, "approx-dp", strategy="time")
+    # The time-centric DP falls back on memory-centric plans when its own miss.
+    assert memory == min_feasible_budget(graph, "approx-dp", strategy="time")
     assert memory < min_feasible_budget(graph, "chen-sqrt")
     plan = approx_dp(graph, memory, strategy="memory")
     assert plan.estimates["peak_bytes"] <= memory and plan.estimates["refined"]

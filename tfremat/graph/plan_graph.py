@@ -194,6 +194,11 @@ class PlanGraph:
                     )
                 if index >= len(self.nodes[self._index[producer]].outputs):
                     raise ValueError(f"Node {node.id!r} reads missing output {ref!r}.")
+        # Nodes are not changed once in a graph, so lookups are worked out once.
+        self._predecessors = {n.id: tuple(dict.fromkeys(split_ref(r)[0] for r in n.inputs))
+                              for n in self.nodes}
+        self._fingerprint = structure_fingerprint(
+            (n.id, n.class_name, n.inputs) for n in self.nodes)
 
     # -- lookups ---------------------------------------------------------
 
@@ -221,7 +226,10 @@ class PlanGraph:
 
     def predecessors(self, node_id: str) -> list[str]:
         """Distinct producer ids of a node's inputs, in input order."""
-        return list(dict.fromkeys(split_ref(r)[0] for r in self.node(node_id).inputs))
+        try:
+            return list(self._predecessors[node_id])
+        except KeyError:
+            raise KeyError(f"No node {node_id!r} in graph {self.name!r}.") from None
 
     def successors(self) -> dict[str, list[str]]:
         """Map from each node id to the distinct ids of the nodes consuming it."""
@@ -263,7 +271,7 @@ class PlanGraph:
         another batch size (its estimates do not), and the rewriter can check a
         plan against a model without tracing it.
         """
-        return structure_fingerprint((n.id, n.class_name, n.inputs) for n in self.nodes)
+        return self._fingerprint
 
     # -- JSON --------------------------------------------------------------
 

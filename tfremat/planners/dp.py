@@ -8,8 +8,10 @@ The simulator, not Eq. (2), decides whether a plan meets the budget, so the DP's
 own budget is searched:
 
 - time-centric: the least-overhead plan whose simulated peak fits. The DP budget
-  is bisected between the lowest feasible Eq. (2) peak and the peak without
-  recomputation, keeping every plan the simulator accepts.
+  is searched between the lowest feasible Eq. (2) peak and the peak without
+  recomputation (`_Search._search_dp_budget`), keeping every plan the
+  simulator accepts. When no time-centric plan fits, the memory-centric ones
+  below are tried, and the least-overhead one that fits wins.
 - memory-centric (Sec. 4.4): the overhead is maximised at the lowest feasible
   DP budget, giving coarse blocks that liveness analysis serves well; as the
   simulator often rates slightly coarser blocks lower still, the DP budgets of
@@ -41,6 +43,10 @@ STRATEGIES = ("time", "memory")
 #: feasible one: coarser blocks can simulate lower (liveness), so a few are tried.
 MEMORY_SCAN = (1.0, 1.1, 1.25, 1.5, 2.0)
 
+#: The time-centric search stops once a plan's simulated peak is within this
+#: fraction below the budget: a fuller plan would save little more time.
+FILL_TOLERANCE = 0.01
+
 __all__ = ["DPTimeout", "STRATEGIES", "approx_dp", "exact_dp"]
 
 _Solver = Callable[[float, str], "DPResult | None"]
@@ -61,7 +67,8 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
             (memory-centric: the lowest simulated peak, nesting segments
             where the peak occurs when flat blocks miss the budget).
         time_limit: Seconds for the whole search (None: no limit).
-        search_steps: Bisection steps over the DP's own budget.
+        search_steps: Most DP runs of the time-centric search over the DP's
+            own budget.
         verbose: 1 or more shows a `rich` progress display.
 
     Returns:
@@ -94,7 +101,8 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
             where the peak occurs when flat blocks miss the budget).
         buckets: Bands of cached bytes kept per key (more: closer to optimal,
             slower).
-        search_steps: Bisection steps over the DP's own budget.
+        search_steps: Most DP runs of the time-centric search over the DP's
+            own budget.
         verbose: 1 or more shows a `rich` progress display.
 
     Returns:
@@ -160,12 +168,20 @@ class _Search:
         self.plan_of(result, result.peak)
         return result
 
-    def memory_centric(self) -> Plan:
-        floor = self.floor()
+    def memory_scan(self, floor: DPResult) -> None:
+        """Memory-centric DP plans at the DP budgets of `MEMORY_SCAN`."""
         for factor in MEMORY_SCAN:
             result = self.solve(floor.peak * factor, "memory")
             if result is not None:
                 self.plan_of(result, floor.peak * factor)
+
+    def lowest_or_refined(self) -> Plan:
+        """The plan of lowest simulated peak; nested where its peak occurs when
+        it misses the budget.
+
+        Raises:
+            BudgetError: even the nested plan misses the budget.
+        """
         best = min(self.plans.values(), key=lambda p: (p.estimates["peak_bytes"],
                                                        p.estimates["overhead"]))
         if seg.fits(best, self.budget_bytes):
@@ -182,25 +198,72 @@ class _Search:
                                f"Memory-centric DP at {len(MEMORY_SCAN)} DP budgets, "
                                "then nested where the peak occurs.")
 
+    def memory_centric(self) -> Plan:
+        self.memory_scan(self.floor())
+        return self.lowest_or_refined()
+
     def time_centric(self, search_steps: int) -> Plan:
         empty = seg.finish_plan(self.graph, [], planner=self.planner,
                                 budget_bytes=self.budget_bytes, settings=self.settings)
         if seg.fits(empty, self.budget_bytes):
             return empty
         floor = self.floor()
-        self.plan_of(self.solve(floor.peak, "time") or floor, floor.peak)
-        if any(seg.fits(p, self.budget_bytes) for p in self.plans.values()):
-            # Bisect the DP budget for the largest one whose plan still fits.
-            low, high = float(floor.peak), float(self.model.evaluate([self.model.full])[1])
-            for _ in range(search_steps):
-                if high - low <= 5e-3 * high:
-                    break
-                middle = (low + high) / 2
-                result = self.solve(middle, "time")
-                if result is not None and seg.fits(self.plan_of(result, middle),
-                                                   self.budget_bytes):
-                    low = middle
-                else:
-                    high = middle
+        result = self.solve(floor.peak, "time") or floor
+        first = self.plan_of(result, floor.peak)
+        if seg.fits(first, self.budget_bytes):
+            # Eq. (2) and the simulator disagree by a factor that drifts slowly
+            # with the DP budget; the first guess assumes it stays put.
+            guess = self.budget_bytes * result.peak / first.estimates["peak_bytes"]
+            high = float(self.model.evaluate([self.model.full])[1])
+            self._search_dp_budget(float(floor.peak), first.estimates["peak_bytes"],
+                                   high, empty.estimates["peak_bytes"], guess,
+                                   search_steps)
+        elif not any(seg.fits(p, self.budget_bytes) for p in self.plans.values()):
+            # Fine blocks simulate worse than Eq. (2) rates them; coarse ones can fit.
+            self.memory_scan(floor)
+            if not any(seg.fits(p, self.budget_bytes) for p in self.plans.values()):
+                return self.lowest_or_refined()
         return seg.best_plan(list(self.plans.values()), self.budget_bytes, self.planner,
                              f"{len(self.plans)} DP plans were simulated.")
+
+    def _search_dp_budget(self, low: float, low_peak: int, high: float, high_peak: int,
+                          guess: float, steps: int) -> None:
+        """Searches the largest DP budget whose plan's simulated peak fits.
+
+        The first DP budget tried is `guess`. The simulated peak grows with the
+        DP budget, so the next ones are interpolated between the bracket's ends
+        (the Illinois variant of regula falsi); a step that fails to halve the
+        bracket is followed by a bisection. The search stops once a plan fills
+        the budget to within `FILL_TOLERANCE`, or the bracket is below 0.5% of
+        its top.
+        """
+        budget = float(self.budget_bytes)
+        f_low, f_high = low_peak - budget, high_peak - budget
+        side, bisect = 0, False
+        for _ in range(steps):
+            best_fill = max((p.estimates["peak_bytes"] for p in self.plans.values()
+                             if seg.fits(p, self.budget_bytes)), default=0)
+            if best_fill >= (1 - FILL_TOLERANCE) * budget or high - low <= 5e-3 * high:
+                return
+            width = high - low
+            if guess is not None:
+                middle, guess = guess, None
+            elif bisect or f_high <= f_low:
+                middle = (low + high) / 2
+            else:
+                middle = low - f_low * width / (f_high - f_low)
+            middle = min(max(middle, low + 0.05 * width), high - 0.05 * width)
+            result = self.solve(middle, "time")
+            peak = (self.plan_of(result, middle).estimates["peak_bytes"]
+                    if result is not None else math.inf)
+            if peak <= budget:
+                low, f_low = middle, peak - budget
+                if side == -1:
+                    f_high /= 2
+                side = -1
+            else:
+                high, f_high = middle, min(peak, high_peak) - budget
+                if side == 1:
+                    f_low /= 2
+                side = 1
+            bisect = high - low > width / 2

@@ -95,6 +95,7 @@ class Schedule:
         self.extra_flops = 0.0
         self.requires_grad = requires_grad(graph)
         self.top = _Context(None)
+        self._segment_units: dict[int, list[_Unit]] = {}
 
     # -- queries -------------------------------------------------------------
 
@@ -158,10 +159,16 @@ class Schedule:
         for unit in unit_list:
             if isinstance(unit, Segment):
                 # Inside a recompute segment nothing is recorded for backward.
-                sub = units(self.graph, unit.nodes, unit.children)
-                self.forward(sub, ctx, record=False)
+                self.forward(self._units_of(unit), ctx, record=False)
             else:
                 self._forward_node(unit, ctx, record)
+
+    def _units_of(self, segment: Segment) -> list[_Unit]:
+        """`units` of a segment's nodes and children, worked out once per segment."""
+        if id(segment) not in self._segment_units:
+            self._segment_units[id(segment)] = units(self.graph, segment.nodes,
+                                                     segment.children)
+        return self._segment_units[id(segment)]
 
     def _forward_node(self, node: Node, ctx: "_Context", record: bool) -> None:
         runs = self.times_run.get(node.id, 0)
@@ -210,7 +217,7 @@ class Schedule:
     def backward(self, unit_list: list[_Unit], ctx: "_Context") -> None:
         for unit in reversed(unit_list):
             if isinstance(unit, Segment):
-                sub = units(self.graph, unit.nodes, unit.children)
+                sub = self._units_of(unit)
                 inner = _Context(ctx)
                 originals = self._copy_segment_inputs(unit, ctx, inner)
                 self.forward(sub, inner, record=True)
