@@ -33,6 +33,14 @@ def brute_force(graph):
     cost = {n.id: n.forward_cost for n in nodes}
     sinks = {ref.rsplit(":", 1)[0] for ref in graph.outputs}
     full = frozenset(names)
+    # Weight gradients alive at each call's backward: all made so far (the test
+    # graphs are shorter than the simulator's 24-gradient window).
+    needs_grad, made, wgrad = {}, 0, {}
+    for n in nodes:
+        needs_grad[n.id] = n.param_bytes > 0 or any(needs_grad[p] for p in pred[n.id])
+    for n in reversed(nodes):
+        made += n.param_bytes if needs_grad[n.id] else 0
+        wgrad[n.id] = made if needs_grad[n.id] else 0
     lowers = [frozenset(c) for r in range(1, len(names) + 1)
               for c in itertools.combinations(names, r)
               if all(pred[v] <= set(c) for v in c)]
@@ -57,7 +65,7 @@ def brute_force(graph):
             plus = set().union(*(succ[v] for v in low)) - low
             minus = set().union(*(pred[w] for w in plus)) - low
             here = (m(cached) + 2 * m(block) + m(plus) + m(minus)
-                    + graph.total_persistent_bytes)
+                    + graph.total_persistent_bytes + wgrad[max(block, key=names.index)])
             drops = block - boundary(low)
             step = sum(cost[v] for v in block) if drops and low != full else 0.0
             visit(low, cached | (boundary(low) & block), overhead + step, max(peak, here))
@@ -78,7 +86,8 @@ def small_dags(draw):
                            [ids[j] for j in inputs],
                            mib=draw(st.sampled_from([0.5, 1.0, 2.0])),
                            cost=float(draw(st.integers(1, 9))),
-                           saved_mib=draw(st.sampled_from([0.0, 0.5]))))
+                           saved_mib=draw(st.sampled_from([0.0, 0.5])),
+                           params=draw(st.sampled_from([0, 0, MIB // 4, MIB]))))
     outputs = [ids[-1]] + ([ids[n // 2]] if draw(st.booleans()) and n > 2 else [])
     return b.graph(outputs, persistent_mib=0.25)
 

@@ -24,7 +24,8 @@ class PairTables:
     Attributes:
         keys: Lower sets by increasing size, the empty set first and V last.
         targets: For each key i, the indices j of its strict supersets.
-        peak: For each key i, `2 M(V) + outer + persistent` of each step i -> j.
+        peak: For each key i, `2 M(V) + outer + persistent + W(V)` of each
+            step i -> j.
         cost: For each key i, the recompute cost of each step.
         cache: For each key i, the bytes each step adds to the cache U.
     """
@@ -54,7 +55,14 @@ class PairTables:
         kept_count = bnd.sum(axis=1)[None, :] - shared_count
         drops = (block_count > kept_count) & not_full[None, :]
 
-        peak = 2 * (mem_l[None, :] - mem_l[:, None]) + outer[None, :] + model.persistent
+        # W(V) at the block's last node: key L_v's is v; V's the last one outside L_i.
+        wgrad = np.asarray(model.wgrad, dtype=np.float64)
+        last = np.array([k.bit_length() - 1 for k in keys])
+        last_outside = np.array([(model.full & ~k).bit_length() - 1 for k in keys])
+        block_w = np.where(np.arange(len(keys))[None, :] == len(keys) - 1,
+                           wgrad[last_outside][:, None], wgrad[last][None, :])
+        peak = (2 * (mem_l[None, :] - mem_l[:, None]) + outer[None, :] + model.persistent
+                + block_w)
         step_cost = np.where(drops, cost_l[None, :] - cost_l[:, None], 0.0)
         cache = mem_b[None, :] - shared_mem
         self.keys = keys
