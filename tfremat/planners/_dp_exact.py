@@ -12,6 +12,8 @@ import math
 import time
 from typing import Callable
 
+import numpy as np
+
 from tfremat.planners._dp_model import DPModel, DPResult
 
 OBJECTIVES = ("time", "memory", "peak")
@@ -79,6 +81,9 @@ def lower_sets(model: DPModel, deadline: Deadline) -> list[int]:
 class ExactDP:
     """The exact DP over the lower sets of one model, reusable across budgets.
 
+    The states of a lower set are numpy arrays; the terms of each step between
+    two lower sets (`DPModel.step`) are worked out once and reused by every solve.
+
     Args:
         model: The DP model.
         deadline: Checked while enumerating and solving.
@@ -97,9 +102,29 @@ class ExactDP:
         self.sets = lower_sets(model, deadline)
         self.bnd = {s: model.boundary(s) for s in self.sets}
         self.outer = {s: model.outer_bytes(s) for s in self.sets}
-        self.by_size: list[list[int]] = [[] for _ in range(model.n + 1)]
-        for s in self.sets:
-            self.by_size[s.bit_count()].append(s)
+        self.index = {s: i for i, s in enumerate(self.sets)}
+        self._steps: list[tuple[list[int], np.ndarray, np.ndarray, np.ndarray]] | None = None
+
+    def steps(self) -> list[tuple[list[int], np.ndarray, np.ndarray, np.ndarray]]:
+        """Per lower set (by index): its strict supersets and the Eq. (1)/(2)
+        terms of each step to them (peak part, cost, bytes cached)."""
+        if self._steps is None:
+            model, sets = self.model, self.sets
+            by_size: list[list[int]] = [[] for _ in range(model.n + 1)]
+            for s in sets:
+                by_size[s.bit_count()].append(s)
+            steps = []
+            for lower in sets:
+                uppers = [u for bigger in by_size[lower.bit_count() + 1:] for u in bigger
+                          if u & lower == lower]
+                terms = [model.step(lower, u, self.bnd[u], self.outer[u]) for u in uppers]
+                part, cost, cache = (np.array(col, dtype=np.float64).reshape(-1)
+                                     for col in zip(*terms)) if terms else (
+                    np.zeros(0), np.zeros(0), np.zeros(0))
+                steps.append(([self.index[u] for u in uppers], part, cost, cache))
+                self.deadline.check(len(sets))
+            self._steps = steps
+        return self._steps
 
     def solve(self, budget: float, objective: str) -> DPResult | None:
         """Runs the DP.
@@ -119,55 +144,53 @@ class ExactDP:
         """
         if objective not in OBJECTIVES:
             raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
-        model, by_size = self.model, self.by_size
+        steps = self.steps()
         advance = (self.track(f"exact DP ({objective})", len(self.sets))
                    if self.track else None)
         by_peak = objective == "peak"
         sign = -1.0 if objective == "memory" else 1.0
-        # A state: (objective, m, t, eq2 peak, lower set, previous state).
-        pending: dict[int, list[tuple]] = {0: [(0.0, 0, 0.0, 0, 0, None)]}
-        final: list[tuple] = []
-        for size, group in enumerate(by_size):
-            for lower in group:
-                front = _pareto(pending.pop(lower, []))
-                if lower == model.full:
-                    final = front
-                    continue
-                for bigger in by_size[size + 1:]:
-                    for upper in bigger:
-                        if upper & lower != lower:
-                            continue
-                        part, cost, cache = model.step(lower, upper, self.bnd[upper],
-                                                       self.outer[upper])
-                        into = pending.setdefault(upper, [])
-                        for state in front:
-                            obj, m, t, peak = state[:4]
-                            here = m + part
-                            if here > budget and not by_peak:
-                                continue
-                            new_peak = max(peak, here)
-                            new_obj = new_peak if by_peak else obj + sign * cost
-                            into.append((new_obj, m + cache, t + cost, new_peak, upper,
-                                         state))
-                self.deadline.check(len(self.sets))
+        # Columns of a state: objective, m, overhead, Eq. (2) peak, parent set,
+        # parent state (its row in the parent's front).
+        pending: list[list[np.ndarray]] = [[] for _ in self.sets]
+        pending[0].append(np.zeros((1, 6)))
+        pending[0][0][0, 4:] = -1
+        fronts: list[np.ndarray] = []
+        for i, (targets, part, cost, cache) in enumerate(steps):
+            front = _pareto(np.concatenate(pending[i])) if pending[i] else np.zeros((0, 6))
+            pending[i] = []
+            fronts.append(front)
+            if front.size and targets:
+                here = front[:, 1:2] + part[None, :]
+                rows, cols = (np.nonzero(np.ones_like(here, dtype=bool)) if by_peak
+                              else np.nonzero(here <= budget))
+                peak = np.maximum(front[rows, 3], here[rows, cols])
+                new = np.column_stack([
+                    peak if by_peak else front[rows, 0] + sign * cost[cols],
+                    front[rows, 1] + cache[cols], front[rows, 2] + cost[cols], peak,
+                    np.full(rows.size, i, dtype=np.float64), rows.astype(np.float64)])
+                order = np.argsort(cols, kind="stable")
+                cols, new = cols[order], new[order]
+                bounds = np.flatnonzero(np.diff(cols)) + 1
+                for chunk_cols, chunk in zip(np.split(cols, bounds), np.split(new, bounds)):
+                    if chunk.size:
+                        pending[targets[chunk_cols[0]]].append(chunk)
+            self.deadline.check(len(self.sets))
             if advance:
-                advance(len(group))
-        if not final:
+                advance(1)
+        final = fronts[-1]
+        if not final.size:
             return None
-        best = state = final[0]
+        best, state = final[0], (len(self.sets) - 1, 0)
         sequence = []
-        while state is not None and state[4]:
-            sequence.append(state[4])
-            state = state[5]
-        return DPResult(sequence[::-1], overhead=best[2], peak=best[3])
+        while state[0] > 0:
+            sequence.append(self.sets[state[0]])
+            row = fronts[state[0]][state[1]]
+            state = (int(row[4]), int(row[5]))
+        return DPResult(sequence[::-1], overhead=float(best[2]), peak=int(best[3]))
 
 
-def _pareto(states: list[tuple]) -> list[tuple]:
+def _pareto(states: np.ndarray) -> np.ndarray:
     """States not dominated in (objective, m), best objective first."""
-    states.sort(key=lambda s: (s[0], s[1]))
-    front, lowest = [], math.inf
-    for state in states:
-        if state[1] < lowest:
-            front.append(state)
-            lowest = state[1]
-    return front
+    states = states[np.lexsort((states[:, 1], states[:, 0]))]
+    lowest_before = np.minimum.accumulate(np.concatenate([[np.inf], states[:-1, 1]]))
+    return states[states[:, 1] < lowest_before]
