@@ -39,3 +39,28 @@ def test_larger_batch_measures_larger_peak():
     small = tfremat.measure_peak(model, batch_size=4)
     large = tfremat.measure_peak(model, batch_size=32)
     assert large > small
+
+
+def test_sparse_labels_are_inferred_with_the_measured_trace_only(monkeypatch):
+    model = make_model()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    # The targets are worked out on the step being measured, not by tfremat.trace.
+    monkeypatch.setattr("tfremat.graph.trace.trace", None)
+    result = tfremat.measure_peak(model, batch_size=8, return_details=True)
+    assert result.step_bytes >= 8 * 32 * 32 * 16 * 4
+
+
+def test_synthetic_batches_count_in_the_allocator():
+    import tensorflow as tf
+
+    from tfremat.memory import synthetic_batch
+
+    tfremat.measure_peak(make_model(), batch_size=2)  # the allocator has stats now
+    # A tensor made from a NumPy array may share the array's memory (it does when
+    # the array is aligned, as large ones are) and then would not count.
+    for mib in (1, 8, 32):
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        batch = synthetic_batch(tf.TensorSpec((mib, 1024, 256), tf.float32))
+        after = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        assert after - before >= batch.shape.num_elements() * 4
+        del batch

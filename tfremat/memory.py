@@ -11,7 +11,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import require_tensorflow
-from tfremat.graph.trace import batch_specs, step_function
+from tfremat.errors import UnsupportedModelError
+from tfremat.graph.trace import batch_specs, step_function, target_candidates
 
 logger = logging.getLogger("tfremat")
 
@@ -117,6 +118,21 @@ class _StateSnapshot:
             v.assign(value)
 
 
+def _traceable_targets(model: keras.Model, step: Any, x_spec: Any) -> Any:
+    """The first of `target_candidates` the step traces with. The trace is the
+    one the measurement runs, so inferring the targets costs no extra trace."""
+    error: Exception | None = None
+    for y_spec in target_candidates(model, x_spec):
+        try:
+            step.get_concrete_function(x_spec, y_spec)
+            return y_spec
+        except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+            error = e
+    raise UnsupportedModelError(
+        f"Could not trace a training step of {model.name!r}: {error}. Pass "
+        "sample=(x, y) with a real batch so the targets' shape is known.") from error
+
+
 def measure_peak(model: keras.Model, *, batch_size: int | None = None,
                  sample: Any = None, repeats: int = 2,
                  return_details: bool = False) -> int | MeasuredPeak:
@@ -143,13 +159,11 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     """
     require_tensorflow()
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
-    if y_spec is None:
-        from tfremat.graph.trace import trace
-
-        y_spec = trace(model, batch_size=batch_size, sample=sample).input_specs[1]
-    x, y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
     jit = getattr(model, "jit_compile", False) is True
     step = tf.function(step_function(model), jit_compile=jit)
+    if y_spec is None:
+        y_spec = _traceable_targets(model, step, x_spec)
+    x, y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
     snapshot = _StateSnapshot(model)
     try:
         result = measure_step(lambda: step(x, y), repeats=repeats)

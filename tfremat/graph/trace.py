@@ -115,6 +115,12 @@ def _fix_batch(spec: Any, batch_size: int | None, where: str) -> Any:
     return tf.nest.map_structure(fix, spec)
 
 
+def target_candidates(model: keras.Model, x_spec: Any) -> list[Any]:
+    """Target specs to try, in order, when the batch gives none: shaped like the
+    model's outputs (float), then sparse labels (int32, the last axis dropped)."""
+    return [_output_like_targets(model, x_spec), _sparse_targets(model, x_spec)]
+
+
 def _output_like_targets(model: keras.Model, x_spec: Any) -> Any:
     out = model.compute_output_spec(
         tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), x_spec))
@@ -240,8 +246,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
             sites_by_op.setdefault(id(s.operation), []).append(s.id)
             ops_of[id(s.operation)] = s.operation
     step = step_function(model)
-    candidates = [y_spec] if y_spec is not None else [
-        _output_like_targets(model, x_spec), _sparse_targets(model, x_spec)]
+    candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     error: Exception | None = None
     for y in candidates:
         log: list[tuple[str, int, int, Any]] = []
