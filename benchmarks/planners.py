@@ -348,6 +348,12 @@ def markdown(data: dict[str, Any]) -> str:
         f"median of {data['steps']} steps run alternately with vanilla and every other "
         "rewritten model in one process. \"auto\" runs without host offload (its "
         "savings cannot be measured on CPU).",
+        
+        "Between two runs of this script, measured peaks of the same plan moved by up to "
+        "5% and step-time ratios by up to 0.2 (2 inter-op threads; a shared machine). "
+        "Plans of many small segments can measure above their prediction: TensorFlow's "
+        "BFC allocator hands out a free chunk whole when it is less than twice the "
+        "request (docs/how-it-works.md).",
         "",
         *summary(records),
         "",
