@@ -55,7 +55,8 @@ class PairTables:
         kept_count = bnd.sum(axis=1)[None, :] - shared_count
         drops = (block_count > kept_count) & not_full[None, :]
 
-        # W(V) at the block's last node: key L_v's is v; V's the last one outside L_i.
+        # W is read at the block's last node: v for a key L_v, and for the key V
+        # the last node outside L_i.
         wgrad = np.asarray(model.wgrad, dtype=np.float64)
         last = np.array([k.bit_length() - 1 for k in keys])
         last_outside = np.array([(model.full & ~k).bit_length() - 1 for k in keys])

@@ -117,11 +117,10 @@ class ExactDP:
             for lower in sets:
                 uppers = [u for bigger in by_size[lower.bit_count() + 1:] for u in bigger
                           if u & lower == lower]
-                terms = [model.step(lower, u, self.bnd[u], self.outer[u]) for u in uppers]
-                part, cost, cache = (np.array(col, dtype=np.float64).reshape(-1)
-                                     for col in zip(*terms)) if terms else (
-                    np.zeros(0), np.zeros(0), np.zeros(0))
-                steps.append(([self.index[u] for u in uppers], part, cost, cache))
+                terms = np.array([model.step(lower, u, self.bnd[u], self.outer[u])
+                                  for u in uppers], dtype=np.float64).reshape(-1, 3)
+                steps.append(([self.index[u] for u in uppers], terms[:, 0], terms[:, 1],
+                              terms[:, 2]))
                 self.deadline.check(len(sets))
             self._steps = steps
         return self._steps

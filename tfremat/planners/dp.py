@@ -227,7 +227,7 @@ class _Search:
                              f"{len(self.plans)} DP plans were simulated.")
 
     def _search_dp_budget(self, low: float, low_peak: int, high: float, high_peak: int,
-                          guess: float, steps: int) -> None:
+                          guess: float | None, steps: int) -> None:
         """Searches the largest DP budget whose plan's simulated peak fits.
 
         The first DP budget tried is `guess`. The simulated peak grows with the
