@@ -1,7 +1,7 @@
 """Peak memory and step time of rewritten models vs the originals.
 
 Segments: about sqrt(n) contiguous segments cut where a single tensor is live
-(the test helper `tests/rewrite/rewrite_helpers.sqrt_segments`), applied with
+(the test helper `tests/rewriter/rewrite_helpers.sqrt_segments`), applied with
 `tfremat.rewriter.rewrite_model`. Peak: CPU allocator peak of one SGD training
 step above the memory live before it. With XLA the peak changes from one
 compilation of the same step to the next, so jit rows show the smallest peak
@@ -24,7 +24,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "rewrite"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "rewriter"))
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
