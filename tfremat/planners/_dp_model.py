@@ -15,7 +15,7 @@ topological order), as the simulator keeps them (the last
 `GRADIENT_LIFETIME_STEPS` gradients made). Near the output of a ResNet they
 reach 57 MiB (ResNet50 at batch 16), and without them the DP spreads its
 budget evenly while the simulator's peak sits at the last stage. Eq. (1)
-is adapted to how tfremat recomputes (one `tf.recompute_grad` segment per block):
+is adapted to how tfremat recomputes (one recompute segment per block):
 a block that drops anything re-runs all its calls, so it costs T(V_i), where
 T_v is `Node.forward_cost`; a block whose calls are all cached costs nothing, and
 the last block is not recomputed (its backward follows its forward at once).

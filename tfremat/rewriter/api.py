@@ -22,11 +22,11 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
 
     The new model shares `model`'s layer objects and weights: training either
     trains both. Each top-level segment runs as one `RecomputeSegment` layer
-    under `tf.recompute_grad`, its nested segments as recompute units inside
-    it. Gradients and updates equal the original's (up to float rounding of
-    the recompute): BatchNorm moving statistics are updated once per step and
-    dropout replays its forward mask. `model` itself is not changed, also when
-    the rewrite fails.
+    under tfremat's `recompute_grad` (`checkpoint.py`), its nested segments as
+    recompute units inside it. Gradients and updates equal the original's (up
+    to float rounding of the recompute): BatchNorm moving statistics are
+    updated once per step and dropout replays its forward mask. `model` itself
+    is not changed, also when the rewrite fails.
 
     Functional and Sequential models are rebuilt node by node (nested
     functional models are flattened). Subclassed models get the block-level

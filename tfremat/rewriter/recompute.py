@@ -55,8 +55,8 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
 
     Args:
         fn: A function of positional tensors only; bind everything else
-            (e.g. `training`) in a closure, since `tf.recompute_grad` refuses
-            keyword arguments in graph mode.
+            (e.g. `training`) in a closure: `checkpoint.recompute_grad` takes
+            positional tensors only.
         inputs: The tensors to pass to `fn`. Floating ones are the recompute's
             arguments; integer and boolean ones are bound as constants.
         layers: The Keras layers `fn` calls. The recompute reads their state

@@ -229,9 +229,9 @@ class Schedule:
 
     def _copy_segment_inputs(self, segment: Segment, ctx: "_Context",
                              inner: "_Context") -> list[Key]:
-        """In graph mode `tf.recompute_grad` recomputes from `input + 0 * dep`,
-        with `dep` read from the incoming gradient so the recompute waits for
-        it: each floating input is copied, and the recompute reads the copy.
+        """The rewriter's `recompute_grad` recomputes from `input + dep`, with
+        `dep` (0) read from the incoming gradients so the recompute waits for
+        them: each floating input is copied, and the recompute reads the copy.
 
         Returns:
             The keys of the original inputs, alive until the segment's backward ends.
