@@ -45,12 +45,13 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     rewrite needed). Otherwise, first the approximate DP with `strategy` (and
     the exact DP on graphs of at most `EXACT_DP_MAX_NODES` nodes), Chen's
     greedy and sqrt(n) plans: the one that fits with the least extra compute
-    wins. When none fits, the DPs with the other strategy and `chen-recursive`
-    (nested segments reach below one level of segments), again the cheapest
-    that fits. When none fits and `offload` is on, the last step offloads
-    activations to host memory on top of recompute plans at the budgets of
-    `OFFLOAD_LADDER` and on top of no plan, keeping the cheapest plan that
-    fits (`swap.swap_combined`).
+    wins. When none fits, `chen-recursive` (nested segments reach below one
+    level of segments) and, for `strategy="memory"`, the time-centric DPs,
+    again the cheapest that fits (a time-centric DP that misses has already
+    tried the memory-centric plans). When none fits and `offload` is on, the
+    last step offloads activations to host memory on top of recompute plans
+    at the budgets of `OFFLOAD_LADDER` and on top of no plan, keeping the
+    cheapest plan that fits (`swap.swap_combined`).
 
     Args:
         graph: The PlanGraph.
@@ -154,8 +155,10 @@ def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float 
     first = [dp("approx-dp", strategy)] + ([dp("exact-dp", strategy)] if small else []) + [
         ("chen-greedy", lambda b: chen_greedy(graph, b)),
         ("chen-sqrt", lambda b: chen_sqrt(graph, b))]
-    # Phase 2, when none fits: strategies that trade more compute for memory.
-    second = [dp("approx-dp", other)] + ([dp("exact-dp", other)] if small else []) + [
+    # Phase 2, when none fits: strategies that trade more compute for memory. A
+    # time-centric DP that misses has tried the memory-centric plans already.
+    second = (([dp("approx-dp", other)] + ([dp("exact-dp", other)] if small else []))
+              if strategy == "memory" else []) + [
         ("chen-recursive", lambda b: chen_recursive(graph, b))]
     minimum = est.peak_bytes
     tried: list[str] = []
