@@ -11,8 +11,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import require_tensorflow
-from tfremat.errors import UnsupportedModelError
-from tfremat.graph.trace import batch_specs, step_function, target_candidates
+from tfremat.graph.trace import (TRACE_ERRORS, batch_specs, step_function,
+                                 target_candidates, untraceable)
 
 logger = logging.getLogger("tfremat")
 
@@ -126,11 +126,9 @@ def _traceable_targets(model: keras.Model, step: Any, x_spec: Any) -> Any:
         try:
             step.get_concrete_function(x_spec, y_spec)
             return y_spec
-        except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+        except TRACE_ERRORS as e:
             error = e
-    raise UnsupportedModelError(
-        f"Could not trace a training step of {model.name!r}: {error}. Pass "
-        "sample=(x, y) with a real batch so the targets' shape is known.") from error
+    raise untraceable(model, error) from error
 
 
 def measure_peak(model: keras.Model, *, batch_size: int | None = None,

@@ -115,6 +115,17 @@ def _fix_batch(spec: Any, batch_size: int | None, where: str) -> Any:
     return tf.nest.map_structure(fix, spec)
 
 
+#: What tracing a step with the wrong target spec raises.
+TRACE_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
+
+
+def untraceable(model: keras.Model, error: Exception | None) -> UnsupportedModelError:
+    """The error for a step no target spec traces with."""
+    return UnsupportedModelError(
+        f"Could not trace a training step of {model.name!r}: {error}. Pass "
+        "sample=(x, y) with a real batch so the targets' shape is known.")
+
+
 def target_candidates(model: keras.Model, x_spec: Any) -> list[Any]:
     """Target specs to try, in order, when the batch gives none: shaped like the
     model's outputs (float), then sparse labels (int32, the last axis dropped)."""
@@ -255,15 +266,13 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
         try:
             with _recording(sites_by_op, ops_of, log, grad_marks):
                 concrete = tf.function(step).get_concrete_function(x_spec, y)
-        except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+        except TRACE_ERRORS as e:
             error = e
             continue
         seconds = time.perf_counter() - started
         break
     else:
-        raise UnsupportedModelError(
-            f"Could not trace a training step of {model.name!r}: {error}. Pass "
-            "sample=(x, y) with a real batch so the targets' shape is known.") from error
+        raise untraceable(model, error) from error
     if not grad_marks:
         raise UnsupportedModelError(
             f"The training step of {model.name!r} computes no gradients "
