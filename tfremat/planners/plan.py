@@ -233,7 +233,8 @@ def _validate_segments(graph: PlanGraph, segments: list[Segment],
                        parent: set[str] | None,
                        succ: dict[str, list[str]] | None = None) -> None:
     seen: set[str] = set()
-    shared = shared_layer_groups(graph)
+    # A shared layer's calls must stay together at the top level only.
+    shared = shared_layer_groups(graph) if parent is None else {}
     succ = succ if succ is not None else graph.successors()
     for seg in segments:
         if not seg.nodes:
@@ -259,7 +260,7 @@ def _validate_segments(graph: PlanGraph, segments: list[Segment],
                 "so it cannot run as one recomputed unit.")
         for layer, calls in shared.items():
             inside = [c for c in calls if c in ids]
-            if inside and len(inside) != len(calls) and parent is None:
+            if inside and len(inside) != len(calls):
                 raise PlanValidationError(
                     f"Shared layer {layer!r} is called by {calls}; segment {seg.nodes} "
                     f"holds only {inside}. Keep every call of a shared layer in one "
