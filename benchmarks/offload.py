@@ -97,10 +97,9 @@ def sweep(graph, bandwidth: float, device_flops: float) -> dict:
         the persistent bytes), `"limits"` (see `limits`) and `"rows"`, one per
         budget.
     """
-    from tfremat.errors import BudgetError
-    from tfremat.planners.registry import make_plan
-    from tfremat.planners.swap import swap, swap_combined
-    from tfremat.simulate import simulate
+    from tfremat.core import BudgetError
+    from tfremat.planners import make_plan, swap, swap_combined
+    from tfremat.simulation import simulate
 
     timing = {"bandwidth_gbps": bandwidth, "device_flops": device_flops}
     plain = simulate(graph, **timing)
@@ -135,8 +134,8 @@ def sweep(graph, bandwidth: float, device_flops: float) -> dict:
 def limits(graph, timing: dict) -> dict:
     """What bounds the reduction: the copy capacity of the forward pass, and
     the lowest peak any plan reaches ("auto" with offload) with its make-up."""
-    from tfremat.planners.registry import make_plan, min_feasible_budget
-    from tfremat.simulate import build_schedule, simulate
+    from tfremat.planners import make_plan, min_feasible_budget
+    from tfremat.simulation import build_schedule, simulate
 
     plain = simulate(graph, **timing)
     labels = [label for label, _ in plain.timeline]

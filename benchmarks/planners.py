@@ -51,9 +51,9 @@ PLANNERS: dict[str, tuple[str, dict[str, Any]]] = {
     "chen-greedy": ("chen-greedy", {}),
     "chen-drop-cheap": ("chen-drop-cheap", {}),
     "chen-recursive": ("chen-recursive", {}),
-    "approx-dp (time)": ("approx-dp", {"strategy": "time"}),
-    "approx-dp (memory)": ("approx-dp", {"strategy": "memory"}),
-    "exact-dp (time)": ("exact-dp", {"strategy": "time", "time_limit": 20.0}),
+    "approx-dp (time)": ("approx-dp", {"objective": "time"}),
+    "approx-dp (memory)": ("approx-dp", {"objective": "memory"}),
+    "exact-dp (time)": ("exact-dp", {"objective": "time", "time_limit": 20.0}),
     "auto": ("auto", {"offload": False}),
 }
 QUICK_PLANNERS = ("chen-sqrt", "approx-dp (time)", "approx-dp (memory)")
@@ -117,7 +117,7 @@ class Runner:
     def __init__(self, model: Any, batch_size: int) -> None:
         import tensorflow as tf
 
-        from tfremat.graph.trace import batch_specs, step_function, trace
+        from tfremat.graph import batch_specs, step_function, trace
         from tfremat.memory import synthetic_batch
 
         x_spec, y_spec = batch_specs(model, batch_size=batch_size)
@@ -182,10 +182,10 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[str, Any]:
     """Plans, rewrites, measures and times one model; returns the JSON record."""
     from tfremat.api import rewrite
-    from tfremat.errors import BudgetError
-    from tfremat.graph.extract import extract
+    from tfremat.core import BudgetError
+    from tfremat.graph import extract
     from tfremat.planners import DPTimeout, exact_dp, make_plan
-    from tfremat.simulate import simulate
+    from tfremat.simulation import simulate
 
     model, batch = build_model(name)
     graph, extract_s = timed(lambda: extract(model, batch_size=batch))
@@ -211,8 +211,8 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
             peaks[by_segments[key]] = alone_peak_bytes(rewritten, batch, repeats) / MIB
         row = {"planner": label, "budget": budget_kind, "runner": by_segments[key],
                "budget_mib": plan.budget_bytes / MIB, "plan_s": plan_s,
-               "predicted_mib": plan.estimates["peak_bytes"] / MIB,
-               "predicted_overhead": plan.estimates["overhead"],
+               "predicted_mib": plan.peak_bytes / MIB,
+               "predicted_overhead": plan.estimates.overhead,
                "measured_mib": peaks[by_segments[key]],
                "segments": len(plan.segments)}
         print(f"  {label} @ {budget_kind}: {row['predicted_mib']:.1f} predicted, "
@@ -229,7 +229,7 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
         try:
             return plan_at(label, 0)
         except BudgetError as err:
-            return plan_at(label, round(err.min_budget_mb * MIB))
+            return plan_at(label, err.min_budget_bytes)
 
     for label in planners:
         try:
@@ -269,9 +269,9 @@ def planner_timings() -> dict[str, str]:
         "import sys, time, keras\n"
         "sys.path.insert(0, %r)\n"
         "from planners import build_model\n"
-        "from tfremat.graph.extract import extract\n"
+        "from tfremat.graph import extract\n"
         "from tfremat.planners import DPTimeout, approx_dp, exact_dp\n"
-        "from tfremat.errors import BudgetError\n"
+        "from tfremat.core import BudgetError\n"
         "model, batch = build_model(%r)\n"
         "g = extract(model, batch_size=batch)\n"
         "start = time.perf_counter()\n"
@@ -284,12 +284,12 @@ def planner_timings() -> dict[str, str]:
         "    print('gave up: %%s' %% e)\n")
     jobs = {
         "approx-dp (time), ResNet152, budget 0.8x vanilla":
-            ("ResNet152", "from tfremat.simulate import simulate; "
+            ("ResNet152", "from tfremat.simulation import simulate; "
              "approx_dp(g, int(simulate(g).peak_bytes * 0.8))"),
         "approx-dp (memory), ResNet152, minimum budget":
-            ("ResNet152", "approx_dp(g, 0, strategy='memory')"),
+            ("ResNet152", "approx_dp(g, 0, objective='memory')"),
         "exact-dp (time), ResNet50, 60 s limit":
-            ("ResNet50", "from tfremat.simulate import simulate; "
+            ("ResNet50", "from tfremat.simulation import simulate; "
              "exact_dp(g, int(simulate(g).peak_bytes * 0.8), time_limit=60)"),
     }
     out = {}

@@ -2,7 +2,7 @@
 
 Segments: about sqrt(n) contiguous segments cut where a single tensor is live
 (the test helper `tests/rewriter/rewrite_helpers.sqrt_segments`), applied with
-`tfremat.rewriter.rewrite_model`. Peak: CPU allocator peak of one SGD training
+`tfremat.rewriter.rewriting`. Peak: CPU allocator peak of one SGD training
 step above the memory live before it. With XLA the peak changes from one
 compilation of the same step to the next, so jit rows show the smallest peak
 of `--compilations` compilations and, in brackets, the range. Step time:
@@ -24,12 +24,12 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "rewriter"))
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository: its tests' helpers
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import rewrite_helpers as h  # noqa: E402
+from tests.rewriter import rewrite_helpers as h  # noqa: E402
 from tfremat.rewriter import rewrite_model  # noqa: E402
 
 MODELS = {

@@ -2,7 +2,8 @@
 
 Two logical CPU devices are configured before TensorFlow starts, so that
 `tf.distribute.MirroredStrategy` and host-offload tests have a second device.
-They share one allocator (NOTES.md), so memory measurements are unaffected.
+They share one allocator (docs/how-it-works.md, "What was measured and what was
+only reasoned"), so memory measurements are unaffected.
 """
 
 import os

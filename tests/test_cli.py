@@ -16,8 +16,8 @@ def test_estimate_on_a_saved_model(tmp_path, capsys):
     assert cli.main(["estimate", path, "--batch-size", "4", "--measure"]) == 0
     out = capsys.readouterr().out
     assert "tiny: one training step, batch 4" in out and "measured on CPU:0" in out
-    for strategy in ("none", "inplace", "sharing"):
-        assert strategy in out
+    for sharing in ("none", "inplace", "sharing"):
+        assert sharing in out
     assert "measured (MiB)" in out
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from tests.simulate.test_simulator import chain, fig2_graph
+from tests.marks import needs_graphviz
+from tests.simulation.test_simulator import chain, fig2_graph
 from tfremat import Plan, Segment
 from tfremat import export
 
@@ -41,6 +42,7 @@ def test_png_without_graphviz_names_the_fix(tmp_path, monkeypatch):
         export.export_dot(plan, str(tmp_path / "plan.png"), graph=g)
 
 
+@needs_graphviz
 def test_png_with_graphviz_is_written(tmp_path):
     g, plan = plan_for_chain()
     plan.graph = g

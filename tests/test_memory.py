@@ -45,7 +45,7 @@ def test_sparse_labels_are_inferred_with_the_measured_trace_only(monkeypatch):
     model = make_model()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     # The targets are worked out on the step being measured, not by tfremat.trace.
-    monkeypatch.setattr("tfremat.graph.trace.trace", None)
+    monkeypatch.setattr("tfremat.graph.tracing.trace", None)
     result = tfremat.measure_peak(model, batch_size=8, return_details=True)
     assert result.step_bytes >= 8 * 32 * 32 * 16 * 4
 

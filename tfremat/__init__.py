@@ -14,18 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tfremat.errors import (
-    BackendError,
-    BudgetError,
-    PlanMismatchError,
-    PlanValidationError,
-    TfrematError,
-    UnsupportedModelError,
-)
-from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
-from tfremat.planners.plan import Offload, Plan, Segment
+from tfremat.core import (BackendError, BudgetError, Node, Offload, Plan, PlanEstimate,
+                          PlanGraph, PlanMismatchError, PlanValidationError, Segment,
+                          TensorInfo, TfrematError, UnsupportedModelError)
 from tfremat.export import export_dot, summary
-from tfremat.simulate import Estimate, simulate
+from tfremat.simulation import Estimate, simulate
 
 __version__ = "0.1.0"
 
@@ -35,7 +28,7 @@ _LAZY = {
     "rewrite": "tfremat.api",
     "RecomputeSegment": "tfremat.rewriter",
     "Planner": "tfremat.callbacks",
-    "extract": "tfremat.graph.extract",
+    "extract": "tfremat.graph",
     "measure_peak": "tfremat.memory",
     "MeasuredPeak": "tfremat.memory",
     "measure_step": "tfremat.memory",
@@ -65,7 +58,7 @@ def _register_keras_layers() -> None:
 _register_keras_layers()
 
 __all__ = [
-    "BackendError", "BudgetError", "Estimate", "Node", "Offload", "Plan",
+    "BackendError", "BudgetError", "Estimate", "Node", "Offload", "Plan", "PlanEstimate",
     "PlanGraph", "PlanMismatchError", "PlanValidationError", "Segment",
     "TensorInfo", "TfrematError", "UnsupportedModelError", "export_dot", "simulate",
     "summary",

@@ -1,28 +1,69 @@
-"""One-call entry points: plan a model under a budget, and rewrite it."""
+"""One-call entry points: plan a model under a budget, and rewrite it.
+
+Also the checks every public entry point makes at the door (budgets, planner
+and objective names), so that a bad argument is reported where it was given.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+import warnings
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tfremat.graph.extract import extract
-from tfremat.graph.plan_graph import PlanGraph
-from tfremat.planners.plan import Plan
-from tfremat.planners.registry import make_plan
+from tfremat.core import MIB, Plan, PlanGraph
+from tfremat.graph import extract
+from tfremat.planners import OBJECTIVES, PLANNERS, make_plan
 from tfremat.rewriter import rewrite_model
 
 logger = logging.getLogger("tfremat")
 
-MIB = 2**20
+
+def check_budget_mb(budget_mb: Any, name: str = "budget_mb") -> float:
+    """`budget_mb` as a float, or a clear error.
+
+    Raises:
+        TypeError: not a real number (a string, None, a bool).
+        ValueError: not finite, or not positive.
+    """
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real):
+        raise TypeError(f"{name} must be a number of MiB, got {budget_mb!r} "
+                        f"({type(budget_mb).__name__}).")
+    value = float(budget_mb)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of MiB, got {budget_mb!r}.")
+    return value
+
+
+def check_planner(planner: str, objective: str, offload: bool | str = "auto") -> None:
+    """Raises ValueError for an unknown planner, objective or offload setting."""
+    if planner != "auto" and planner not in PLANNERS:
+        raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
+                         f"{sorted(PLANNERS)}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
+    if offload not in (True, False, "auto"):
+        raise ValueError(f"offload must be True, False or 'auto', got {offload!r}.")
+
+
+def deprecated_strategy(strategy: str | None, objective: str) -> str:
+    """The objective, taking the deprecated `strategy=` keyword into account."""
+    if strategy is None:
+        return objective
+    warnings.warn("tfremat: `strategy=` is now called `objective=` (\"time\" or "
+                  "\"memory\"); `strategy=` will be removed.", DeprecationWarning,
+                  stacklevel=3)
+    return strategy
 
 
 def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
-         sample: Any = None, planner: str = "auto", strategy: str = "time",
+         sample: Any = None, planner: str = "auto", objective: str = "time",
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
-         graph: PlanGraph | None = None) -> Plan:
+         graph: PlanGraph | None = None, strategy: str | None = None) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
     Args:
@@ -33,8 +74,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         batch_size: Batch size, when shapes come from `model.inputs`.
         sample: One batch `(x, y)` or a `tf.data.Dataset`, instead of `batch_size`.
         planner: `"auto"` or one of `"chen-sqrt"`, `"chen-greedy"`,
-            `"chen-drop-cheap"`, `"chen-recursive"`, `"exact-dp"`, `"approx-dp"`.
-        strategy: `"time"` (least recomputation under the budget) or `"memory"`
+            `"chen-drop-cheap"`, `"chen-recursive"`, `"exact-dp"`, `"approx-dp"`,
+            `"swap"`.
+        objective: `"time"` (least recomputation under the budget) or `"memory"`
             (Kusumoto et al.'s memory-centric strategy) for the DP planners.
         offload: Let planner `"auto"` offload activations to host memory when
             recomputation alone cannot meet the budget: True, False, or `"auto"`
@@ -42,25 +84,30 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         time_limit: Seconds the exact DP may take before falling back.
         verbose: 1 to show progress of long searches.
         graph: The model's PlanGraph, if already extracted.
+        strategy: Deprecated name of `objective`.
 
     Returns:
-        A `Plan`; empty when the step already fits.
+        A `Plan` carrying its `graph`; empty when the step already fits.
 
     Raises:
+        TypeError, ValueError: a bad budget, planner, objective or offload.
         BudgetError: the budget is below the smallest feasible one; the message
             and `.min_budget_mb` say what that minimum is.
 
     Example:
 
     >>> plan = tfremat.plan(model, budget_mb=6000, batch_size=64)
-    >>> plan.estimates["peak_bytes"] / 2**20
+    >>> plan.estimates.peak_mb
     """
+    objective = deprecated_strategy(strategy, objective)
+    budget_mb = check_budget_mb(budget_mb)
+    check_planner(planner, objective, offload)
     if graph is None:
         graph = extract(model, batch_size=batch_size, sample=sample)
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     settings = {"offload": bool(offload)} if planner == "auto" else {}
-    result = make_plan(graph, int(budget_mb * MIB), planner=planner, strategy=strategy,
+    result = make_plan(graph, int(budget_mb * MIB), planner=planner, objective=objective,
                        time_limit=time_limit, verbose=verbose, **settings)
     result.graph = graph
     return result
@@ -68,8 +115,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
 
 def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             budget_mb: float | None = None, batch_size: int | None = None,
-            sample: Any = None, planner: str = "auto", strategy: str = "time",
-            compute_device: str | None = None, host_device: str | None = None) -> keras.Model:
+            sample: Any = None, planner: str = "auto", objective: str = "time",
+            compute_device: str | None = None, host_device: str | None = None,
+            strategy: str | None = None) -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 
     Either pass a `Plan`, or a `budget_mb` (with `batch_size` or `sample`) to plan
@@ -82,10 +130,11 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         batch_size: Batch size for planning.
         sample: One batch or a dataset for planning.
         planner: Planner name for planning.
-        strategy: `"time"` or `"memory"` for planning.
+        objective: `"time"` or `"memory"` for planning.
         compute_device: Device of the step, for plans with host offload
             (default the first GPU).
         host_device: Device holding offloaded tensors (default `"/CPU:0"`).
+        strategy: Deprecated name of `objective`.
 
     Returns:
         The rewritten model, or `model` itself when the plan is empty (the
@@ -96,11 +145,14 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
     >>> smaller = tfremat.rewrite(model, budget_mb=6000, batch_size=64)
     >>> smaller.compile(optimizer="adam", loss="mse"); smaller.fit(x, y)
     """
+    objective = deprecated_strategy(strategy, objective)
     if plan_or_none is None:
         if budget_mb is None:
             raise ValueError("Pass a Plan, or budget_mb=... to plan first.")
         plan_or_none = plan(model, budget_mb, batch_size=batch_size, sample=sample,
-                            planner=planner, strategy=strategy)
+                            planner=planner, objective=objective)
+    elif not isinstance(plan_or_none, Plan):
+        raise TypeError(f"rewrite takes a tfremat.Plan, not {type(plan_or_none).__name__}.")
     if plan_or_none.is_empty:
         logger.info("The plan is empty (the step already fits): no rewrite.")
         return model

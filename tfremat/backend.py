@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tfremat.errors import BackendError
+from tfremat.core import BackendError
 
 _INSTALL_HINT = (
     "Install TensorFlow with one of: pip install 'tfremat[cpu]' (tensorflow-cpu), "

@@ -65,14 +65,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     import tfremat
-    from tfremat.planners.registry import PLANNERS
-    from tfremat.simulate import STRATEGIES
+    from tfremat.planners import PLANNERS
+    from tfremat.simulation import SHARING_MODES
 
     console = _console()
     with console.status(f"Tracing a training step of {args.model} ..."):
         model = _prepare(args)
         graph = tfremat.extract(model, batch_size=args.batch_size)
-    rows = [(s, tfremat.simulate(graph, strategy=s)) for s in STRATEGIES]
+    rows = [(s, tfremat.simulate(graph, sharing=s)) for s in SHARING_MODES]
     # Chen et al.'s "drop bn-relu" and "sublinear plan" rows: sharing plus a plan.
     for label, name in (("drop-cheap-ops", "chen-drop-cheap"), ("sublinear (sqrt n)", "chen-sqrt")):
         rows.append((label, tfremat.simulate(graph, PLANNERS[name](graph))))
@@ -85,17 +85,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if measured is not None:
         title += f", measured on {measured.device}"
     table = Table(title=title)
-    table.add_column("strategy")
+    table.add_column("memory sharing / plan")
     table.add_column("predicted peak (MiB)", justify="right")
     table.add_column("activations (MiB)", justify="right")
     table.add_column("extra compute", justify="right")
     if measured is not None:
         table.add_column("measured (MiB)", justify="right")
-    for strategy, est in rows:
-        cells = [strategy, f"{est.peak_mb:,.1f}", f"{est.activation_peak_bytes / 2**20:,.1f}",
+    for label, est in rows:
+        cells = [label, f"{est.peak_mb:,.1f}", f"{est.activation_peak_bytes / 2**20:,.1f}",
                  f"+{est.overhead:.0%}" if est.overhead else ""]
         if measured is not None:
-            cells.append(f"{measured.peak_mb:,.1f}" if strategy == "sharing" else "")
+            cells.append(f"{measured.peak_mb:,.1f}" if label == "sharing" else "")
         table.add_row(*cells)
     console.print(table)
     console.print(f"Persistent: {graph.total_persistent_bytes / 2**20:,.1f} MiB "
@@ -106,7 +106,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plans a model under a budget: summary, optional picture, JSON and measurement."""
     import tfremat
-    from tfremat.export import export_dot, summary
+    from tfremat.export import summary, write_picture
 
     console = _console()
     with console.status(f"Tracing a training step of {args.model} ..."):
@@ -114,11 +114,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         graph = tfremat.extract(model, batch_size=args.batch_size)
     with console.status(f"Planning with {args.planner} ..."):
         plan = tfremat.plan(model, args.budget_mb, graph=graph, planner=args.planner,
-                            strategy=args.strategy)
+                            objective=args.objective)
     console.print(summary(graph, plan), highlight=False)
     if args.export:
-        export_dot(plan, args.export)
-        console.print(f"Plan picture written to {args.export}")
+        written = write_picture(plan, args.export, graph=graph)
+        console.print(f"Plan picture written to {written}")
     if args.json:
         plan.to_json(args.json)
         console.print(f"Plan written to {args.json}")
@@ -167,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--input-shape", default=None)
     pl.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     pl.add_argument("--planner", default="auto")
-    pl.add_argument("--strategy", default="time", choices=("time", "memory"))
+    pl.add_argument("--objective", default="time", choices=("time", "memory"),
+                    help="for the DP planners: least extra compute, or least memory")
+    pl.add_argument("--strategy", dest="objective", choices=("time", "memory"),
+                    help=argparse.SUPPRESS)  # the old name of --objective
     pl.add_argument("--export", default=None, help="plan picture: .png, .svg or .dot")
     pl.add_argument("--json", default=None, help="write the plan as JSON")
     pl.add_argument("--measure", action="store_true",
@@ -189,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tfremat` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from tfremat.errors import TfrematError
+    from tfremat.core import TfrematError
 
     try:
         return args.func(args)

@@ -8,10 +8,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from tfremat.callbacks.planner import Planner
+from tfremat.callbacks import Planner
 from tfremat.memory import device_name
-
-MIB = 2**20
 
 
 def resnet_style(image_size: int = 64, width: int = 32, blocks: tuple[int, ...] = (2, 2, 2),
@@ -108,15 +106,15 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
         "predicted_peak_mb": history.history["predicted_peak_mb"][-1],
         "loss": history.history["loss"],
         "step_time_ratio": t_planned / t_plain,
-        "plan_picture": export,
+        "plan_picture": planner.picture,
     }
     if verbose:
         peaks = ", ".join(f"{p:.1f}" for p in result["peak_memory_mb"])
         print(f"\nMeasured peak per epoch with tfremat: {peaks} MiB (budget {budget_mb} MiB, "
               f"plain {plain_peak:.1f} MiB).")
         print(f"Step time: {result['step_time_ratio']:.2f}x the plain step.")
-        if export:
-            print(f"Plan picture: {export}")
+        if planner.picture:
+            print(f"Plan picture: {planner.picture}")
     return result
 
 

@@ -1,24 +1,27 @@
 """Pictures and text of a plan: the layer graph coloured by keep / recompute / offload.
 
 No TensorFlow here; pydot builds the graph and Graphviz's `dot` renders PNG/SVG.
+`Plan.summary()` and `Plan.to_pydot()` call this module's functions (it
+registers itself with `tfremat.core.set_plan_views` when imported).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+import warnings
+from typing import Any
 
 import pydot
 
-from tfremat.graph.plan_graph import PlanGraph
-from tfremat.planners.plan import Plan, Segment
-from tfremat.simulate import simulate
+from tfremat.core import MIB, Plan, PlanGraph, Segment, set_plan_views
+from tfremat.simulation import simulate
 
 _SEGMENT_COLOURS = ["#cfe8ff", "#d9f2d0", "#ffe8c2", "#ead9ff", "#ffd6e0", "#d6f5f5"]
 _KEEP = "#ffffff"
 _INPUT = "#e8e8e8"
 _OFFLOAD = "#ffb347"
-MIB = 2**20
 
 _NO_GRAPHVIZ = (
     "Rendering {fmt} needs Graphviz's `dot` program, which was not found on PATH. "
@@ -59,7 +62,7 @@ def to_pydot(graph: PlanGraph, plan: Plan | None = None, *,
         A `pydot.Dot`.
     """
     if plan is not None:
-        plan.check_graph(graph)
+        plan.validate(graph)
     dot = pydot.Dot(graph_type="digraph", rankdir=rankdir, fontname="Helvetica",
                     label=_title(graph, plan), labelloc="t")
     offloaded = {o.tensor.rsplit(":", 1)[0] for o in plan.offloaded} if plan else set()
@@ -112,14 +115,14 @@ def _quote(node_id: str) -> str:
 def _title(graph: PlanGraph, plan: Plan | None) -> str:
     if plan is None:
         return f"{graph.name}: {len(graph)} layer calls"
-    est = simulate(graph, plan)
+    est = simulate(graph, plan, validate=False)  # validated by to_pydot
     budget = f", budget {_mib(plan.budget_bytes)}" if plan.budget_bytes else ""
     return (f"{graph.name}: plan by {plan.planner}{budget}; predicted peak "
             f"{_mib(est.peak_bytes)}, +{est.overhead:.0%} compute")
 
 
-def export_dot(plan: Plan, path: str, *, graph: PlanGraph | None = None,
-               **kwargs) -> str:
+def export_dot(plan: Plan, path: str | os.PathLike, *, graph: PlanGraph | None = None,
+               **kwargs: Any) -> str:
     """Writes the plan picture to `path`: `.dot` always, `.png`/`.svg`/`.pdf`
     through Graphviz.
 
@@ -141,25 +144,68 @@ def export_dot(plan: Plan, path: str, *, graph: PlanGraph | None = None,
 
     >>> tfremat.export_dot(tfremat.plan(model, budget_mb=600, batch_size=32), "plan.png")
     """
-    fmt = os.path.splitext(path)[1].lstrip(".").lower()
-    if fmt not in ("dot", "gv", "png", "svg", "pdf"):
-        raise ValueError(f"Cannot export to {path!r}: use .dot, .png, .svg or .pdf.")
-    dot = plan.to_pydot(graph, **kwargs)
+    path = os.fspath(path)
+    fmt = _format_of(path)
+    dot = to_pydot(plan.graph_or(graph), plan, **kwargs)
     if fmt in ("dot", "gv"):
         with open(path, "w") as f:
             f.write(dot.to_string())
         return path
-    if shutil.which("dot") is None:
+    if not has_graphviz():
         raise RuntimeError(_NO_GRAPHVIZ.format(fmt=fmt.upper()))
     dot.write(path, format=fmt)
     return path
 
 
+def write_picture(plan: Plan, path: str | os.PathLike, *,
+                  graph: PlanGraph | None = None) -> str:
+    """Writes what it can of the plan picture; never raises for a missing Graphviz.
+
+    Where training must not stop for a picture (the `Planner` callback, the
+    demo): without Graphviz's `dot`, a `.png`/`.svg`/`.pdf` request writes the
+    `.dot` source beside it instead and warns with the fix.
+
+    Args:
+        plan: The Plan.
+        path: Output file; its extension picks the format.
+        graph: The PlanGraph, when the plan does not carry one.
+
+    Returns:
+        The path written.
+    """
+    path = os.fspath(path)
+    if _format_of(path) in ("dot", "gv") or has_graphviz():
+        return export_dot(plan, path, graph=graph)
+    fallback = os.path.splitext(path)[0] + ".dot"
+    export_dot(plan, fallback, graph=graph)
+    warnings.warn(f"tfremat: wrote {fallback} instead of {path}: "
+                  + _NO_GRAPHVIZ.format(fmt=_format_of(path).upper()),
+                  RuntimeWarning, stacklevel=2)
+    return fallback
+
+
+def has_graphviz() -> bool:
+    """Whether Graphviz's `dot` program is on PATH (needed for PNG/SVG/PDF)."""
+    return shutil.which("dot") is not None
+
+
+def _format_of(path: str) -> str:
+    fmt = os.path.splitext(path)[1].lstrip(".").lower()
+    if fmt not in ("dot", "gv", "png", "svg", "pdf"):
+        raise ValueError(f"Cannot export to {path!r}: use .dot, .png, .svg or .pdf.")
+    return fmt
+
+
 def summary(graph: PlanGraph, plan: Plan) -> str:
-    """A `model.summary()`-like text of a plan: segments, offloads, estimates."""
-    plan.check_graph(graph)
+    """A `model.summary()`-like text of a plan: segments, offloads, estimates.
+
+    Raises:
+        PlanMismatchError: the plan was made for another graph.
+        PlanValidationError: the plan is malformed for `graph`.
+    """
+    plan.validate(graph)
     plain = simulate(graph)
-    est = simulate(graph, plan)
+    est = simulate(graph, plan, validate=False)
     lines = [f'Plan for "{graph.name}" by {plan.planner}', "=" * 72]
     if plan.budget_bytes:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)}")
@@ -180,3 +226,7 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"offload     {off.tensor}  (prefetch after {off.prefetch_after})")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+# `Plan.summary()` and `Plan.to_pydot()` draw with this module.
+set_plan_views(sys.modules[__name__])

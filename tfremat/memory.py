@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import require_tensorflow
-from tfremat.graph.trace import (TRACE_ERRORS, batch_specs, step_function,
+from tfremat.graph import (TRACE_ERRORS, batch_specs, step_function,
                                  target_candidates, untraceable)
 
 logger = logging.getLogger("tfremat")

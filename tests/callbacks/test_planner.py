@@ -6,7 +6,9 @@ import pytest
 import tensorflow as tf
 
 import tfremat
+from tests.marks import needs_graphviz
 from tfremat.callbacks import planner as planner_module
+from tfremat.rewriter import install as install_module
 from tfremat.demo import resnet_style
 
 BATCH = 16
@@ -103,12 +105,27 @@ def test_too_optimistic_first_plan_is_replanned(budget_mb, monkeypatch):
     assert hist.history["peak_memory_mb"][-1] <= budget_mb
 
 
+@needs_graphviz
 def test_plan_picture_is_exported(budget_mb, tmp_path):
     x, y = data(2)
     path = tmp_path / "plan.svg"
     make_model().fit(x, y, batch_size=BATCH, verbose=0,
                      callbacks=[tfremat.Planner(budget_mb, verbose=0, export=str(path))])
     assert path.read_text().lstrip().startswith("<?xml")
+
+
+def test_missing_graphviz_costs_a_warning_not_the_training(budget_mb, tmp_path,
+                                                           monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` to be found
+    x, y = data(2)
+    planner = tfremat.Planner(budget_mb, verbose=0, export=str(tmp_path / "plan.png"))
+    with pytest.warns(RuntimeWarning, match="apt-get install graphviz"):
+        hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                                callbacks=[planner])
+    assert len(hist.history["loss"]) == 2
+    assert planner.picture == str(tmp_path / "plan.dot")
+    assert (tmp_path / "plan.dot").read_text().startswith("digraph")
+    assert not (tmp_path / "plan.png").exists()
 
 
 @pytest.mark.parametrize("options", [
@@ -162,7 +179,7 @@ def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):
     x, y = data(2)
     model = make_model(jit_compile=True)
     real_plan = planner_module.api.plan
-    real_rewrite = planner_module.api.rewrite
+    real_rewrite = install_module.rewrite_model
 
     def with_offload(model, budget, **kwargs):
         plan = real_plan(model, budget, **kwargs)
@@ -172,7 +189,7 @@ def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):
         return plan
 
     monkeypatch.setattr(planner_module.api, "plan", with_offload)
-    monkeypatch.setattr(planner_module.api, "rewrite", lambda m, p: real_rewrite(
+    monkeypatch.setattr(install_module, "rewrite_model", lambda m, p: real_rewrite(
         m, p, compute_device="/CPU:0", host_device="/CPU:1"))
     with pytest.warns(RuntimeWarning, match="XLA cannot"):
         model.fit(x, y, batch_size=BATCH, verbose=0,

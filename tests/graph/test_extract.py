@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfremat
-from tfremat.errors import UnsupportedModelError
+from tfremat.core import UnsupportedModelError
 
 
 def residual_cnn(size: int = 32, channels: int = 16) -> keras.Model:

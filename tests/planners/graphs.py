@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
+from tfremat.core import Node, PlanGraph, TensorInfo
 
 MIB = 2**20
 _ELEMS = MIB // 4  # float32 elements in one MiB

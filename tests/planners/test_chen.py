@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from tfremat.errors import BudgetError
+from tfremat.core import BudgetError
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
-from tfremat.simulate import simulate
+from tfremat.simulation import simulate
 
 from tests.planners import graphs as G
 
@@ -27,8 +27,8 @@ def test_sqrt_reduces_a_chain_peak_to_about_two_sqrt_n():
     graph = G.chain(100)
     plan = chen_sqrt(graph)
     assert simulate(graph).peak_bytes > 100 * MIB
-    assert plan.estimates["peak_bytes"] <= 2 * 10 * MIB + 2 * MIB
-    assert plan.estimates["overhead"] == pytest.approx(90 / 300)  # ~one forward
+    assert plan.peak_bytes <= 2 * 10 * MIB + 2 * MIB
+    assert plan.estimates.overhead == pytest.approx(90 / 300)  # ~one forward
 
 
 def test_sqrt_on_a_resnet_cuts_only_between_blocks():
@@ -38,16 +38,16 @@ def test_sqrt_on_a_resnet_cuts_only_between_blocks():
     # Blocks after the first (whose skip is the input) end in add or relu.
     ends = [s.nodes[-1] for s in plan.segments[1:]]
     assert all(e.startswith(("add", "relu")) for e in ends)
-    assert plan.estimates["peak_bytes"] < simulate(graph).peak_bytes
+    assert plan.peak_bytes < simulate(graph).peak_bytes
 
 
 def test_sqrt_raises_budget_error_below_its_peak():
     graph = G.chain(36)
-    peak = chen_sqrt(graph).estimates["peak_bytes"]
+    peak = chen_sqrt(graph).peak_bytes
     with pytest.raises(BudgetError) as info:
         chen_sqrt(graph, peak - 1)
     assert info.value.min_budget_mb == peak / MIB
-    assert chen_sqrt(graph, peak).estimates["peak_bytes"] == peak
+    assert chen_sqrt(graph, peak).peak_bytes == peak
 
 
 def test_greedy_returns_least_overhead_plan_within_budget():
@@ -57,8 +57,8 @@ def test_greedy_returns_least_overhead_plan_within_budget():
     tight = chen_greedy(graph, int(base * 0.5))
     for plan, budget in [(loose, base * 0.8), (tight, base * 0.5)]:
         plan.validate(graph)
-        assert plan.estimates["peak_bytes"] <= budget
-    assert loose.estimates["overhead"] <= tight.estimates["overhead"]
+        assert plan.peak_bytes <= budget
+    assert loose.estimates.overhead <= tight.estimates.overhead
     assert "B" in tight.settings
 
 
@@ -67,9 +67,9 @@ def test_greedy_budget_error_minimum_is_feasible():
     with pytest.raises(BudgetError) as info:
         chen_greedy(graph, 1)
     assert "smallest feasible budget" in str(info.value)
-    minimum = round(info.value.min_budget_mb * MIB)
+    minimum = info.value.min_budget_bytes
     plan = chen_greedy(graph, minimum)
-    assert plan.estimates["peak_bytes"] == minimum
+    assert plan.peak_bytes == minimum
 
 
 def test_drop_cheap_recomputes_only_cheap_calls():
@@ -79,8 +79,8 @@ def test_drop_cheap_recomputes_only_cheap_calls():
     assert plan.segments
     recomputed = {graph.node(n).class_name for s in plan.segments for n in s.nodes}
     assert recomputed <= {"BatchNormalization", "ReLU", "Add"}
-    assert plan.estimates["peak_bytes"] < simulate(graph).peak_bytes
-    assert plan.estimates["overhead"] < 0.02
+    assert plan.peak_bytes < simulate(graph).peak_bytes
+    assert plan.estimates.overhead < 0.02
 
 
 def test_drop_cheap_keeps_everything_when_no_call_is_cheap():
@@ -93,7 +93,7 @@ def test_drop_cheap_skips_runs_that_would_keep_more_than_they_drop():
     # a [bn, relu] segment would only add its input to what is kept.
     graph = G.resnet_like(4)
     plan = chen_drop_cheap(graph)
-    assert plan.estimates["peak_bytes"] <= simulate(graph).peak_bytes
+    assert plan.peak_bytes <= simulate(graph).peak_bytes
 
 
 def test_recursive_uses_less_memory_than_sqrt_on_a_long_chain():
@@ -101,9 +101,9 @@ def test_recursive_uses_less_memory_than_sqrt_on_a_long_chain():
     rec = chen_recursive(graph, fanout=1)
     rec.validate(graph)
     sqrt = chen_sqrt(graph)
-    assert rec.estimates["peak_bytes"] < sqrt.estimates["peak_bytes"]
-    assert rec.estimates["peak_bytes"] <= 2 * math.log2(256) * MIB + 4 * MIB
-    assert rec.estimates["overhead"] > sqrt.estimates["overhead"]
+    assert rec.peak_bytes < sqrt.peak_bytes
+    assert rec.peak_bytes <= 2 * math.log2(256) * MIB + 4 * MIB
+    assert rec.estimates.overhead > sqrt.estimates.overhead
 
 
 def test_recursive_nests_segments():
@@ -118,9 +118,9 @@ def test_recursive_nests_segments():
 def test_recursive_picks_least_overhead_fanout_within_budget():
     graph = G.chain(128)
     plans = {k: chen_recursive(graph, fanout=k) for k in (1, 2, 3)}
-    budget = max(p.estimates["peak_bytes"] for p in plans.values())
+    budget = max(p.peak_bytes for p in plans.values())
     chosen = chen_recursive(graph, budget)
-    assert chosen.estimates["overhead"] == min(p.estimates["overhead"]
+    assert chosen.estimates.overhead == min(p.estimates.overhead
                                                for p in plans.values())
 
 

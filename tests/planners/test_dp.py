@@ -8,12 +8,12 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tfremat.errors import BudgetError
+from tfremat.core import BudgetError
 from tfremat.planners import _dp_approx
 from tfremat.planners._dp_exact import Deadline, ExactDP
 from tfremat.planners._dp_model import DPModel
 from tfremat.planners.dp import DPTimeout, approx_dp, exact_dp
-from tfremat.simulate import simulate
+from tfremat.simulation import simulate
 
 from tests.planners import graphs as G
 
@@ -157,38 +157,38 @@ GRAPHS = {
 
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 @pytest.mark.parametrize("planner", [approx_dp, exact_dp])
-@pytest.mark.parametrize("strategy", ["time", "memory"])
-def test_dp_plans_are_valid_and_fit_or_raise_a_feasible_minimum(name, planner, strategy):
+@pytest.mark.parametrize("objective", ["time", "memory"])
+def test_dp_plans_are_valid_and_fit_or_raise_a_feasible_minimum(name, planner, objective):
     graph = GRAPHS[name]()
     base = simulate(graph).peak_bytes
     for fraction in (0.9, 0.6, 0.3):
         budget = int(base * fraction)
         try:
-            plan = planner(graph, budget, strategy=strategy)
+            plan = planner(graph, budget, objective=objective)
         except BudgetError as err:
-            minimum = round(err.min_budget_mb * MIB)
+            minimum = err.min_budget_bytes
             assert minimum > budget
-            plan = planner(graph, minimum, strategy=strategy)
+            plan = planner(graph, minimum, objective=objective)
             budget = minimum
         plan.validate(graph)
-        assert plan.estimates["peak_bytes"] == simulate(graph, plan).peak_bytes
-        assert plan.estimates["peak_bytes"] <= budget
-        assert plan.budget_bytes == budget and plan.settings["strategy"] == strategy
+        assert plan.peak_bytes == simulate(graph, plan).peak_bytes
+        assert plan.peak_bytes <= budget
+        assert plan.budget_bytes == budget and plan.settings["objective"] == objective
 
 
 def test_time_centric_returns_no_segments_when_the_step_fits():
     graph = G.resnet_like(3)
     plan = approx_dp(graph, simulate(graph).peak_bytes)
-    assert plan.segments == [] and plan.estimates["overhead"] == 0
+    assert plan.segments == [] and plan.estimates.overhead == 0
 
 
 def test_memory_centric_uses_coarser_blocks_and_less_memory_than_time_centric():
     graph = G.chain(30)
     budget = int(simulate(graph).peak_bytes * 0.9)
-    time_plan = exact_dp(graph, budget, strategy="time")
-    memory_plan = exact_dp(graph, budget, strategy="memory")
-    assert memory_plan.estimates["peak_bytes"] < time_plan.estimates["peak_bytes"]
-    assert memory_plan.estimates["overhead"] > time_plan.estimates["overhead"]
+    time_plan = exact_dp(graph, budget, objective="time")
+    memory_plan = exact_dp(graph, budget, objective="memory")
+    assert memory_plan.peak_bytes < time_plan.peak_bytes
+    assert memory_plan.estimates.overhead > time_plan.estimates.overhead
 
 
 def test_time_centric_trusts_the_simulator_over_eq2():
@@ -197,8 +197,8 @@ def test_time_centric_trusts_the_simulator_over_eq2():
     graph = G.resnet_like(3)
     budget = int(simulate(graph).peak_bytes * 0.7)
     plan = approx_dp(graph, budget)
-    assert plan.estimates["peak_bytes"] <= budget
-    assert plan.estimates["model_peak_bytes"] > budget
+    assert plan.peak_bytes <= budget
+    assert plan.estimates.details["model_peak_bytes"] > budget
 
 
 def wide_graph(branches):
@@ -212,7 +212,7 @@ def test_exact_dp_time_limit_raises_dp_timeout():
     graph = wide_graph(16)  # 65,536 lower sets: enumerated fast, solved slowly
     start = time.monotonic()
     with pytest.raises(DPTimeout, match="did not finish within 0.3 s") as info:
-        exact_dp(graph, 10**12, strategy="memory", time_limit=0.3)
+        exact_dp(graph, 10**12, objective="memory", time_limit=0.3)
     assert time.monotonic() - start < 3
     assert info.value.lower_sets == 2**16
     assert "approx-dp" in str(info.value)

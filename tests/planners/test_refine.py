@@ -5,9 +5,9 @@ import pytest
 from tfremat.planners import _refine
 from tfremat.planners.chen import chen_sqrt
 from tfremat.planners.dp import approx_dp
-from tfremat.planners.plan import Plan, Segment
+from tfremat.core import Plan, Segment
 from tfremat.planners.registry import min_feasible_budget
-from tfremat.simulate import simulate
+from tfremat.simulation import simulate
 
 from tests.planners import graphs as G
 
@@ -94,10 +94,10 @@ def test_isolating_a_branch_recomputes_it_just_before_its_backward():
 
 def test_memory_centric_dp_reaches_below_the_flat_planners():
     graph = G.chain(64)
-    memory = min_feasible_budget(graph, "approx-dp", strategy="memory")
+    memory = min_feasible_budget(graph, "approx-dp", objective="memory")
     # The time-centric DP falls back on memory-centric plans when its own miss.
-    assert memory == min_feasible_budget(graph, "approx-dp", strategy="time")
+    assert memory == min_feasible_budget(graph, "approx-dp", objective="time")
     assert memory < min_feasible_budget(graph, "chen-sqrt")
-    plan = approx_dp(graph, memory, strategy="memory")
-    assert plan.estimates["peak_bytes"] <= memory and plan.estimates["refined"]
+    plan = approx_dp(graph, memory, objective="memory")
+    assert plan.peak_bytes <= memory and plan.estimates.details["refined"]
     assert depth(plan.segments) >= 2

@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 
-from tfremat.errors import BudgetError
-from tfremat.planners.plan import Plan
+from tfremat.core import BudgetError
+from tfremat.core import Plan
 from tfremat.planners.registry import PLANNERS, make_plan, min_feasible_budget
-from tfremat.simulate import simulate
+from tfremat.simulation import simulate
 
 from tests.planners import graphs as G
 
@@ -42,7 +42,7 @@ def test_every_plan_is_valid_and_meets_its_budget(planner, graph_name):
     try:
         plan = make_plan(graph, budget, planner)
     except BudgetError as err:
-        minimum = round(err.min_budget_mb * MIB)
+        minimum = err.min_budget_bytes
         assert minimum > budget
         assert f"{err.min_budget_mb:.1f} MiB" in str(err)
         plan = make_plan(graph, minimum, planner)
@@ -50,8 +50,9 @@ def test_every_plan_is_valid_and_meets_its_budget(planner, graph_name):
     plan.validate(graph)
     assert plan.budget_bytes == budget
     assert plan.planner in PLANNERS
-    assert plan.estimates["peak_bytes"] == simulate(graph, plan).peak_bytes <= budget
-    assert {"peak_bytes", "overhead", "extra_compute"} <= set(plan.estimates)
+    assert plan.peak_bytes == simulate(graph, plan).peak_bytes <= budget
+    assert plan.estimates.overhead == simulate(graph, plan).overhead
+    assert plan.estimates.extra_compute == simulate(graph, plan).extra_compute
     assert Plan.from_json(plan.to_json()) == plan
 
 
@@ -59,8 +60,8 @@ def test_auto_returns_an_empty_plan_when_the_step_fits():
     graph = G.resnet_like(3)
     plan = make_plan(graph, simulate(graph).peak_bytes)
     assert plan.is_empty and plan.planner == "auto"
-    assert "no rewrite needed" in plan.estimates["note"]
-    assert plan.estimates["overhead"] == 0
+    assert "no rewrite needed" in plan.estimates.note
+    assert plan.estimates.overhead == 0
 
 
 def test_auto_budget_error_carries_the_minimum_across_planners():
@@ -71,7 +72,7 @@ def test_auto_budget_error_carries_the_minimum_across_planners():
     assert info.value.min_budget_mb == minimum / MIB
     assert "approx-dp" in str(info.value) and "chen-recursive" in str(info.value)
     plan = make_plan(graph, minimum)
-    assert plan.estimates["peak_bytes"] <= minimum
+    assert plan.peak_bytes <= minimum
     # Nesting where the peak occurs reaches below one level of segments on a chain.
     assert minimum < min_feasible_budget(graph, "chen-greedy")
 
@@ -81,7 +82,7 @@ def test_min_feasible_budget_is_tight(planner):
     graph = G.resnet_like(4)
     minimum = min_feasible_budget(graph, planner)
     plan = make_plan(graph, minimum, planner)
-    assert plan.estimates["peak_bytes"] <= minimum
+    assert plan.peak_bytes <= minimum
     with pytest.raises(BudgetError):
         make_plan(graph, minimum - 1, planner)
 
@@ -95,23 +96,23 @@ def test_exact_dp_timeout_falls_back_to_approx_dp_with_a_warning():
     assert plan.planner == "approx-dp"
 
 
-def test_strategy_reaches_the_dp_planners():
+def test_objective_reaches_the_dp_planners():
     graph = G.chain(30)
     budget = int(simulate(graph).peak_bytes * 0.9)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        memory = make_plan(graph, budget, "approx-dp", strategy="memory")
-    assert memory.settings["strategy"] == "memory"
-    time_plan = make_plan(graph, budget, "approx-dp", strategy="time")
-    assert memory.estimates["overhead"] > time_plan.estimates["overhead"]
+        memory = make_plan(graph, budget, "approx-dp", objective="memory")
+    assert memory.settings["objective"] == "memory"
+    time_plan = make_plan(graph, budget, "approx-dp", objective="time")
+    assert memory.estimates.overhead > time_plan.estimates.overhead
 
 
-def test_unknown_planner_or_strategy_is_refused():
+def test_unknown_planner_or_objective_is_refused():
     graph = G.chain(4)
     with pytest.raises(ValueError, match="Unknown planner"):
         make_plan(graph, 10**9, "magic")
-    with pytest.raises(ValueError, match="Unknown strategy"):
-        make_plan(graph, 10**9, strategy="fast")
+    with pytest.raises(ValueError, match="Unknown objective"):
+        make_plan(graph, 10**9, objective="fast")
 
 
 def test_planners_and_simulator_run_without_tensorflow_or_keras():

@@ -1,7 +1,7 @@
 """Cut points and segment validity helpers shared by the planners."""
 
-from tfremat.planners import _segments as seg
-from tfremat.planners.plan import is_convex
+from tfremat.planners import toolkit as seg
+from tfremat.core import is_convex
 
 from tests.planners import graphs as G
 

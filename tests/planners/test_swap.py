@@ -3,12 +3,12 @@ simulator, host budget honoured, and lower budgets than recomputation alone."""
 
 import pytest
 
-from tfremat.errors import BudgetError
+from tfremat.core import BudgetError
 from tfremat.planners.chen import chen_sqrt
 from tfremat.planners.dp import approx_dp
 from tfremat.planners.registry import make_plan, min_feasible_budget
-from tfremat.planners.swap import default_host_budget, swap, swap_combined
-from tfremat.simulate import build_schedule, simulate
+from tfremat.planners.swapping import default_host_budget, swap, swap_combined
+from tfremat.simulation import build_schedule, simulate
 
 from tests.planners import graphs as G
 
@@ -28,7 +28,7 @@ GRAPHS = {
 def lowest(graph, **settings) -> int:
     with pytest.raises(BudgetError) as info:
         swap(graph, 0, **TIMING, **settings)
-    return round(info.value.min_budget_mb * MIB)
+    return info.value.min_budget_bytes
 
 
 @pytest.mark.parametrize("name", sorted(GRAPHS))
@@ -40,16 +40,16 @@ def test_swap_plans_are_valid_and_fit_in_the_simulator(name, fraction):
     plan.validate(graph)
     assert plan.planner == "swap" and plan.offloaded and not plan.segments
     est = simulate(graph, plan, **TIMING)
-    assert plan.estimates["peak_bytes"] == est.peak_bytes <= budget
-    assert plan.estimates["host_peak_bytes"] == est.host_peak_bytes > 0
-    assert plan.estimates["overhead"] == est.overhead
+    assert plan.peak_bytes == est.peak_bytes <= budget
+    assert plan.estimates.host_peak_bytes == est.host_peak_bytes > 0
+    assert plan.estimates.overhead == est.overhead
 
 
 def test_hidden_copies_cost_no_time():
     graph = G.chain(30)
     plan = swap(graph, int(simulate(graph, **TIMING).peak_bytes * 0.8), **TIMING)
-    assert plan.estimates["stall_seconds"] == 0
-    assert plan.estimates["step_seconds"] == pytest.approx(plan.estimates["baseline_seconds"])
+    assert plan.estimates.stall_seconds == 0
+    assert plan.estimates.step_seconds == pytest.approx(plan.estimates.baseline_seconds)
 
 
 def test_prefetch_triggers_come_before_the_first_reader_and_skip_the_last_layers():
@@ -76,7 +76,7 @@ def test_budget_error_carries_a_tight_minimum():
     graph = G.resnet_like(4)
     minimum = lowest(graph)
     assert minimum < simulate(graph, **TIMING).peak_bytes
-    assert swap(graph, minimum, **TIMING).estimates["peak_bytes"] <= minimum
+    assert swap(graph, minimum, **TIMING).peak_bytes <= minimum
     with pytest.raises(BudgetError, match="'swap'"):
         swap(graph, minimum - 1, **TIMING)
 
@@ -88,7 +88,7 @@ def test_host_budget_is_honoured():
     capped = lowest(graph, host_budget_bytes=host)
     assert capped > free
     plan = swap(graph, capped, host_budget_bytes=host, **TIMING)
-    assert plan.estimates["host_peak_bytes"] <= host
+    assert plan.estimates.host_peak_bytes <= host
     assert plan.settings["host_budget_bytes"] == host
 
 
@@ -105,7 +105,7 @@ def test_swap_on_a_recompute_plan_keeps_its_segments_and_goes_lower():
     base = chen_sqrt(graph)
     # A tensor's worth below the recompute plan (weight gradients alive in
     # between keep the floor a few KiB above two tensors' worth).
-    budget = base.estimates["peak_bytes"] - MIB
+    budget = base.peak_bytes - MIB
     plan = swap(graph, budget, base_plan=base, **TIMING)
     assert plan.segments == base.segments and plan.offloaded
     assert plan.settings["base_planner"] == "chen-sqrt"
@@ -116,10 +116,10 @@ def test_combined_offloads_instead_of_recomputing_where_cheaper():
     graph = G.chain(30)
     budget = int(simulate(graph, **TIMING).peak_bytes * 0.7)
     recompute = approx_dp(graph, budget)
-    assert recompute.estimates["overhead"] > 0
+    assert recompute.estimates.overhead > 0
     plan = swap_combined(graph, budget, [recompute], **TIMING)
-    assert plan.estimates["overhead"] < recompute.estimates["overhead"]
-    assert plan.estimates["peak_bytes"] <= budget
+    assert plan.estimates.overhead < recompute.estimates.overhead
+    assert plan.peak_bytes <= budget
 
 
 def saved_chain(n: int, saved_mib: float):
@@ -143,7 +143,7 @@ def test_auto_with_offload_goes_below_the_recompute_minimum():
     plan.validate(graph)
     assert plan.planner == "swap" and plan.offloaded and plan.segments
     assert simulate(graph, plan, **TIMING).peak_bytes <= combined_min
-    assert "offloading" in plan.estimates["note"]
+    assert "offloading" in plan.estimates.note
     with pytest.raises(BudgetError, match="swap"):
         make_plan(graph, combined_min - 1, **TIMING)
 
@@ -153,7 +153,7 @@ def test_auto_without_offload_keeps_recompute_only_behaviour():
     recompute_min = min_feasible_budget(graph, offload=False)
     with pytest.raises(BudgetError) as info:
         make_plan(graph, recompute_min - 2 * MIB, offload=False)
-    assert round(info.value.min_budget_mb * MIB) == recompute_min
+    assert info.value.min_budget_bytes == recompute_min
     assert "swap" not in str(info.value)
     # Where recomputation fits, offload changes nothing.
     budget = (recompute_min + simulate(graph).peak_bytes) // 2

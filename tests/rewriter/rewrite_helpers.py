@@ -8,8 +8,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.graph.keras_graph import fingerprint, walk
-from tfremat.planners.plan import Plan, Segment
+from tfremat.graph import fingerprint, walk
+from tfremat.core import Plan, Segment
 
 REL_TOL = 1e-5
 

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
     sys.path.insert(0, {here!r})
-    import rewrite_helpers as h
+    from tests.rewriter import rewrite_helpers as h
     from tfremat.rewriter import rewrite_model
 
     keras.utils.set_random_seed(10)

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-import rewrite_helpers as h
+from tests.rewriter import rewrite_helpers as h
 from tfremat.rewriter import rewrite_model
 
 
@@ -35,7 +35,7 @@ def test_fit_gives_the_same_losses(build, jit_compile):
     rewritten_losses = _fit(rewritten, x, y, jit_compile)
     np.testing.assert_allclose(rewritten_losses, losses, rtol=1e-5)
     # Global relative error: a conv bias before BatchNorm has a ~0 gradient,
-    # so its own trajectory is float rounding noise (NOTES.md).
+    # so its own trajectory is float rounding noise (docs/how-it-works.md, "Rewriting").
     weights = [i for i, v in enumerate(model.variables) if v.dtype.startswith("float")]
     assert h.rel_error([trained[i] for i in weights],
                        [h.snapshot(model)[i] for i in weights]) <= h.REL_TOL

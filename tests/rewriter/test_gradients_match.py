@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import rewrite_helpers as h
-from tfremat.planners.plan import Segment
+from tests.rewriter import rewrite_helpers as h
+from tfremat.core import Segment
 from tfremat.rewriter import RecomputeSegment, rewrite_model
 
 MODELS = {

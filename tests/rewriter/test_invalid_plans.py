@@ -7,9 +7,9 @@ import keras
 import numpy as np
 import pytest
 
-import rewrite_helpers as h
-from tfremat.errors import PlanMismatchError, PlanValidationError
-from tfremat.planners.plan import Offload, Segment
+from tests.rewriter import rewrite_helpers as h
+from tfremat.core import PlanMismatchError, PlanValidationError
+from tfremat.core import Offload, Segment
 from tfremat.rewriter import rewrite_model
 from tfremat.rewriter import functional as functional_rebuild
 

@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 
-import rewrite_helpers as h
-from tfremat.errors import UnsupportedModelError
-from tfremat.planners.plan import Segment
+from tests.rewriter import rewrite_helpers as h
+from tfremat.core import UnsupportedModelError
+from tfremat.core import Segment
 from tfremat.rewriter import RecomputeSegment, rewrite_model
 
 

@@ -14,9 +14,9 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-import rewrite_helpers as h
-from tfremat.errors import PlanValidationError
-from tfremat.planners.plan import Offload, Segment
+from tests.rewriter import rewrite_helpers as h
+from tfremat.core import PlanValidationError
+from tfremat.core import Offload, Segment
 from tfremat.rewriter import rewrite_model
 from tfremat.rewriter.offload_layers import OffloadUnit
 

@@ -12,8 +12,8 @@ import keras
 import pytest
 import tensorflow as tf
 
-import rewrite_helpers as h
-from tfremat.planners.plan import Segment
+from tests.rewriter import rewrite_helpers as h
+from tfremat.core import Segment
 from tfremat.rewriter import rewrite_model
 
 

@@ -10,8 +10,8 @@ import keras
 import numpy as np
 import pytest
 
-import rewrite_helpers as h
-from tfremat.planners.plan import Segment
+from tests.rewriter import rewrite_helpers as h
+from tfremat.core import Segment
 from tfremat.rewriter import rewrite_model
 
 def _nested_plan(model: keras.Model):

@@ -6,10 +6,10 @@ import keras
 import numpy as np
 import pytest
 
-import rewrite_helpers as h
-from tfremat.errors import PlanMismatchError, PlanValidationError, UnsupportedModelError
-from tfremat.graph.extract import extract
-from tfremat.planners.plan import Plan, Segment
+from tests.rewriter import rewrite_helpers as h
+from tfremat.core import PlanMismatchError, PlanValidationError, UnsupportedModelError
+from tfremat.graph import extract
+from tfremat.core import Plan, Segment
 from tfremat.rewriter import rewrite_model
 from tfremat.rewriter.subclassed import RecomputedCall
 

@@ -2,35 +2,33 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.utils import io_utils  # print_msg: Keras has no public equivalent
 
 from tfremat import api
-from tfremat.errors import BudgetError
-from tfremat.export import export_dot, summary
-from tfremat.graph.extract import extract
+from tfremat.core import MIB, BudgetError, Plan, PlanGraph
+from tfremat.export import summary, write_picture
+from tfremat.graph import extract
 from tfremat.memory import device_name
-from tfremat.planners.plan import Plan
-from tfremat.simulate import simulate
-
-logger = logging.getLogger("tfremat")
-MIB = 2**20
+from tfremat.rewriter import PlanInstallation
+from tfremat.simulation import simulate
 
 
 class Planner(keras.callbacks.Callback):
     """Makes each training step of `fit` fit a device memory budget.
 
-    At the start of training the callback traces one step with the real batch
-    shape (taken from the first batch), plans what to recompute under the budget,
-    and makes THIS `fit` call train with the plan: while training, the model's
-    `call` runs a rewritten graph sharing the same layers and weights. The model
-    object keeps its identity, weights, optimizer, loss and metrics, and behaves
-    as before once `fit` returns (predict, evaluate, save).
+    At the first batch the callback traces one step with the real batch shape,
+    plans what to recompute under the budget, and makes THIS `fit` train with the
+    plan: the model's train function runs a rewritten graph sharing the same
+    layers and weights. The model object keeps its identity, weights, optimizer,
+    loss and metrics, and is exactly the model you had once `fit` returns, also
+    when a step raises or you press Ctrl-C (predict, evaluate, save and a plain
+    `fit` then behave as if it never saw the callback).
 
     At each epoch end it adds `peak_memory_mb` (measured device peak of the epoch,
     `GPU:0` when a GPU exists, else `CPU:0`) and `predicted_peak_mb` to `logs`, so
@@ -43,39 +41,45 @@ class Planner(keras.callbacks.Callback):
         budget_mb: Device memory budget in MiB (2**20 bytes) for a whole training
             step, weights and optimizer state included.
         planner: Planner name (see `tfremat.plan`), `"auto"` by default.
-        strategy: `"time"` or `"memory"` for the DP planners.
+        objective: `"time"` or `"memory"` for the DP planners.
         offload: Whether `"auto"` may offload activations to host memory:
-            True, False or `"auto"` (when a GPU exists). Offload needs the step
-            outside XLA: compile with `jit_compile=False` to use it.
+            True, False or `"auto"` (when a GPU exists). Offload runs the step
+            outside XLA for this fit (a warning says so).
         verbose: 1 prints the plan summary at the start of training.
         export: Path of a plan picture to write (`.png`, `.svg` or `.dot`).
+            Without Graphviz, a `.dot` file is written instead, with a warning.
         log_memory: Add `peak_memory_mb` and `predicted_peak_mb` to the logs.
         log_batches: Also add them to the logs of every batch.
         replan: Re-plan when the measured peak exceeds the budget.
         max_replans: How many times to re-plan at most.
+        strategy: Deprecated name of `objective`.
 
     Attributes:
         plan: The plan applied (None before the first step).
+        graph: The PlanGraph traced at the first step.
         epoch_peaks_mb: Measured device peak of each epoch, MiB.
+        predicted_peak_mb: The simulator's peak for `plan`, MiB.
+        replans: How often the measurement made it plan again.
+        picture: The plan picture written (`export`, or its `.dot` fallback).
 
     Example:
 
     ```python
-    model.fit(x, y, epochs=10, callbacks=[tfremat.Planner(budget_mb=6000)])
+    history = model.fit(x, y, epochs=10, callbacks=[tfremat.Planner(budget_mb=6000)])
     history.history["peak_memory_mb"]
     ```
     """
 
-    def __init__(self, budget_mb: float, *, planner: str = "auto", strategy: str = "time",
+    def __init__(self, budget_mb: float, *, planner: str = "auto", objective: str = "time",
                  offload: bool | str = "auto", verbose: int = 1, export: str | None = None,
-                 log_memory: bool = True,
-                 log_batches: bool = False, replan: bool = True, max_replans: int = 2) -> None:
+                 log_memory: bool = True, log_batches: bool = False, replan: bool = True,
+                 max_replans: int = 2, strategy: str | None = None) -> None:
         super().__init__()
-        if budget_mb <= 0:
-            raise ValueError(f"budget_mb must be positive, got {budget_mb}.")
-        self.budget_mb = float(budget_mb)
+        objective = api.deprecated_strategy(strategy, objective)
+        self.budget_mb = api.check_budget_mb(budget_mb)
+        api.check_planner(planner, objective, offload)
         self.planner = planner
-        self.strategy = strategy
+        self.objective = objective
         self.offload = offload
         self.verbose = verbose
         self.export = export
@@ -83,31 +87,94 @@ class Planner(keras.callbacks.Callback):
         self.log_batches = log_batches
         self.replan = replan
         self.max_replans = max_replans
-        self.plan: Plan | None = None
         self.device = device_name()
+        self._reset()
 
-    # -- state ---------------------------------------------------------------
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        self.plan = None
-        self.graph = None
-        self._jit_compile: bool | str | None = None
+    def _reset(self) -> None:
+        self.plan: Plan | None = None
+        self.graph: PlanGraph | None = None
+        self.predicted_peak_mb: float | None = None
+        self.picture: str | None = None
         self.epoch_peaks_mb: list[float] = []
         self.replans = 0
+        self._installation: PlanInstallation | None = None
+        self._fit: Any = None  # the fit this callback is part of
+        self._own_train_function: Any = None
         self._measuring = False
-        self.model.train_function = self._first_step
+
+    # -- wiring fit's events ---------------------------------------------------
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        other = getattr(self.model.train_function, "__self__", None)
+        if isinstance(other, Planner) and other is not self:
+            if other._fit is self.model.history:
+                raise ValueError("Two tfremat.Planner callbacks in one fit: pass one.")
+            other._restore()  # left over from an interrupted fit
+        self._reset()
+        self._fit = self.model.history  # Keras makes a History for each fit
+        self._own_train_function = self.model.train_function
+        self.model.train_function = self._train_step
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.plan is None:
+            return
+        peak = self._peak_mb()
+        if self.log_batches and logs is not None:
+            logs["peak_memory_mb"] = peak
+            logs["predicted_peak_mb"] = self.predicted_peak_mb
+        if peak > self.budget_mb and self._measuring:
+            self._over_budget(peak)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self.plan is not None:
+            tf.config.experimental.reset_memory_stats(self.device)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.plan is None:
+            return
+        self.epoch_peaks_mb.append(self._peak_mb())
+        if self.log_memory and logs is not None:
+            logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
+            logs["predicted_peak_mb"] = self.predicted_peak_mb
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._restore_call()
-        if self._jit_compile is not None:
-            self.model.jit_compile = self._jit_compile
-            self._jit_compile = None
-        self.model.train_function = None  # the next fit traces the plain model
+        self._restore()
 
-    # -- planning and applying -------------------------------------------------
+    def _restore(self) -> None:
+        """Gives the model back as it was before this fit."""
+        if self._installation is not None:
+            self._installation.restore()
+            self._installation = None
+        if self._fit is not None:
+            self.model.train_function = self._own_train_function
+            self._fit = self._own_train_function = None
 
-    def _first_step(self, iterator: Any) -> Any:
-        """Replaces the first call of the train function: plans, then runs."""
+    def _train_step(self, iterator: Any) -> Any:
+        """The model's train function during this fit: plans at the first call,
+        then runs the planned step. Any exception (Ctrl-C included) restores the
+        model before it propagates."""
+        if self.model.history is not self._fit:
+            # Called by a fit this callback is not part of: an earlier fit with
+            # it was interrupted between steps. Give the model back and go on.
+            self._restore()
+            self.model.make_train_function()
+            return self.model.train_function(iterator)
+        try:
+            if self._installation is None:
+                iterator = self._plan_first_batch(iterator)
+            return self._installation.run(iterator)
+        except BaseException:
+            self._restore()
+            raise
+
+    # -- planning ----------------------------------------------------------------
+
+    def _plan_first_batch(self, iterator: Any) -> Any:
+        """Plans on the shapes of the first batches and installs the plan.
+
+        Returns:
+            An iterator giving the batches taken from `iterator` again.
+        """
         model = self.model
         steps = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         batches = [iterator.get_next()]
@@ -117,15 +184,46 @@ class Planner(keras.callbacks.Callback):
                 break
             batches.append(nxt.get_value())
         batches = [self._global_batch(b) for b in batches]
-        x, y = self._split(batches[0])
-        try:
-            self.graph = extract(model, sample=(x, y))
-            self._apply(self._make_plan(self.budget_mb))
-        except Exception:
-            # fit does not call on_train_end when a step raises: undo here.
-            self.on_train_end()
-            raise
-        return model.train_function(self._iterator_of(batches))
+        self.graph = extract(model, sample=self._zeros_like_replica_batch(batches[0]))
+        self._install(self._plan(self.budget_mb))
+        return self._iterator_of(batches)
+
+    def _plan(self, budget_mb: float, objective: str | None = None) -> Plan:
+        return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
+                        objective=objective or self.objective, offload=self.offload,
+                        verbose=self.verbose)
+
+    def _install(self, plan: Plan) -> None:
+        jit_compile = None
+        if plan.offloaded and self.model.jit_compile:
+            # XLA ignores tf.device: the host copies would stay on the device.
+            warnings.warn("tfremat: the plan offloads activations to host memory, which "
+                          "XLA cannot do; this fit runs the step without XLA.",
+                          RuntimeWarning, stacklevel=2)
+            jit_compile = False
+        installation = PlanInstallation(self.model, plan, jit_compile=jit_compile)
+        if self._installation is not None:
+            self._installation.restore()
+        installation.install()
+        self.model.train_function = self._train_step  # keep this callback in the loop
+        self._installation = installation
+        self.plan = plan
+        self.predicted_peak_mb = simulate(self.graph, plan).peak_bytes / MIB
+        self._report(plan)
+        tf.config.experimental.reset_memory_stats(self.device)
+        self._measuring = True
+
+    def _report(self, plan: Plan) -> None:
+        if self.verbose:
+            if plan.is_empty:
+                io_utils.print_msg(
+                    f"tfremat: the step fits {self.budget_mb:.0f} MiB without rewriting "
+                    f"(predicted {self.predicted_peak_mb:.1f} MiB on {self.device}).")
+            else:
+                io_utils.print_msg(summary(self.graph, plan))
+                io_utils.print_msg(f"Device measured: {self.device}")
+        if self.export:
+            self.picture = write_picture(plan, self.export, graph=self.graph)
 
     def _global_batch(self, batch: Any) -> Any:
         """A batch as one tensor per leaf (replica parts joined, in order)."""
@@ -148,7 +246,7 @@ class Planner(keras.callbacks.Callback):
             dataset = strategy.experimental_distribute_dataset(dataset)
         return iter(dataset)
 
-    def _split(self, data: Any) -> tuple[Any, Any]:
+    def _zeros_like_replica_batch(self, data: Any) -> tuple[Any, Any]:
         """Zero arrays shaped like one device's share of the batch."""
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         replicas = self.model.distribute_strategy.num_replicas_in_sync
@@ -160,69 +258,10 @@ class Planner(keras.callbacks.Callback):
 
         return tf.nest.map_structure(zeros, x), tf.nest.map_structure(zeros, y)
 
-    def _make_plan(self, budget_mb: float) -> Plan:
-        try:
-            return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
-                            strategy=self.strategy, offload=self.offload,
-                            verbose=self.verbose)
-        except BudgetError as e:
-            raise BudgetError(self.budget_mb, e.min_budget_mb, e.planner,
-                              "Raise budget_mb, lower the batch size, or use a "
-                              "smaller model.") from e
-
-    def _apply(self, plan: Plan) -> None:
-        self._restore_call()
-        self.plan = plan
-        self.predicted_peak_bytes = simulate(self.graph, plan).peak_bytes
-        if not plan.is_empty:
-            rewritten = api.rewrite(self.model, plan)
-            self.model.call = rewritten.call
-        if plan.offloaded and self.model.jit_compile:
-            # XLA ignores tf.device: the host copies would stay on the device.
-            warnings.warn("tfremat: the plan offloads activations to host memory, which "
-                          "XLA cannot do; this fit runs the step without XLA.",
-                          RuntimeWarning, stacklevel=2)
-            self._jit_compile = self.model.jit_compile
-            self.model.jit_compile = False
-        self.model.make_train_function(force=True)
-        self._report(plan)
-        tf.config.experimental.reset_memory_stats(self.device)
-        self._measuring = True
-
-    def _restore_call(self) -> None:
-        if "call" in vars(self.model):
-            del self.model.call
-
-    def _report(self, plan: Plan) -> None:
-        if self.verbose:
-            if plan.is_empty:
-                print(f"tfremat: the step fits {self.budget_mb:.0f} MiB without "
-                      f"rewriting (predicted {self.predicted_peak_bytes / MIB:.1f} MiB "
-                      f"on {self.device}).")
-            else:
-                print(summary(self.graph, plan))
-                print(f"Device measured: {self.device}")
-        if self.export:
-            export_dot(plan, self.export)
-
-    # -- measuring ---------------------------------------------------------------
+    # -- measuring -----------------------------------------------------------------
 
     def _peak_mb(self) -> float:
         return tf.config.experimental.get_memory_info(self.device)["peak"] / MIB
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        if self.plan is not None:
-            tf.config.experimental.reset_memory_stats(self.device)
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.plan is None:
-            return
-        peak = self._peak_mb()
-        if self.log_batches and logs is not None:
-            logs["peak_memory_mb"] = peak
-            logs["predicted_peak_mb"] = self.predicted_peak_bytes / MIB
-        if peak > self.budget_mb and self._measuring:
-            self._over_budget(peak)
 
     def _over_budget(self, peak_mb: float) -> None:
         if not self.replan or self.replans >= self.max_replans:
@@ -233,17 +272,16 @@ class Planner(keras.callbacks.Callback):
                 "Lower the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
             return
         self.replans += 1
-        excess = peak_mb - self.predicted_peak_bytes / MIB
+        excess = peak_mb - self.predicted_peak_mb
         target = self.budget_mb - max(excess, 0.05 * self.budget_mb)
-        logger.warning("Measured %.1f MiB > budget %.1f MiB: re-planning for %.1f MiB.",
-                       peak_mb, self.budget_mb, target)
+        if self.verbose:
+            io_utils.print_msg(f"tfremat: measured {peak_mb:.1f} MiB > budget "
+                               f"{self.budget_mb:.1f} MiB: re-planning for {target:.1f} MiB.")
         try:
-            plan = api.plan(self.model, target, graph=self.graph, planner=self.planner,
-                            strategy=self.strategy, offload=self.offload)
+            plan = self._plan(target)
         except BudgetError as e:
             # Best effort: the plan with the lowest predicted peak.
-            plan = api.plan(self.model, e.min_budget_mb, graph=self.graph,
-                            planner=self.planner, strategy="memory", offload=self.offload)
+            plan = self._plan(e.min_budget_mb, objective="memory")
             warnings.warn(
                 f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
                 f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "
@@ -251,12 +289,4 @@ class Planner(keras.callbacks.Callback):
                 f"{e.min_budget_mb:.1f} MiB: re-planned with that; the budget may still be "
                 "exceeded. Lower the batch size or raise the budget.",
                 RuntimeWarning, stacklevel=2)
-        self._apply(plan)
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if self.plan is None:
-            return
-        self.epoch_peaks_mb.append(self._peak_mb())
-        if self.log_memory and logs is not None:
-            logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
-            logs["predicted_peak_mb"] = self.predicted_peak_bytes / MIB
+        self._install(plan)

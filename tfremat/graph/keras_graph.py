@@ -9,7 +9,7 @@ models flattened: the inner layers become call sites with ids
 
 Subclassed models (a `keras.Model` subclass with its own `call`) have no static
 graph; their call sites are the direct sublayers' calls, found while tracing
-(`tfremat.graph.trace`).
+(`tfremat.graph.tracing`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import keras
 from keras.src.models.functional import Functional
 
-from tfremat.errors import UnsupportedModelError
-from tfremat.graph.plan_graph import structure_fingerprint
+from tfremat.core import (Node, PlanGraph, TensorInfo, UnsupportedModelError,
+                          structure_fingerprint)
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ def walk_with_outputs(model: Any) -> tuple[list[CallSite], list[str]]:
     if functional is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} is a subclassed model; its call sites are found "
-            "by tracing (tfremat.graph.trace).")
+            "by tracing (tfremat.graph.tracing).")
     sites: list[CallSite] = []
     keys: dict[int, str] = {}  # id(operation) -> layer key of its first call
 
@@ -162,3 +162,28 @@ def walk_with_outputs(model: Any) -> tuple[list[CallSite], list[str]]:
 def fingerprint(sites: list[CallSite]) -> str:
     """The `PlanGraph.fingerprint()` of a model with these call sites."""
     return structure_fingerprint((s.id, s.class_name, s.inputs) for s in sites)
+
+
+def structure_graph(model: Any) -> PlanGraph:
+    """A `PlanGraph` of a functional or Sequential model's structure, untraced.
+
+    The rewriter checks plans against it without tracing a step: it has one node
+    per call site with its edges, output shapes (unknown dimensions as 1) and the
+    model's outputs, but no costs.
+
+    Args:
+        model: A built functional or Sequential Keras model.
+
+    Returns:
+        A `PlanGraph` whose `fingerprint()` equals that of the extracted graph.
+    """
+    sites, outputs = walk_with_outputs(model)
+    nodes = [Node(id=s.id, layer=s.layer_key, class_name=s.class_name,
+                  inputs=list(s.inputs), outputs=[_tensor_info(t) for t in s.output_tensors])
+             for s in sites]
+    return PlanGraph(nodes=nodes, outputs=outputs, name=model.name)
+
+
+def _tensor_info(tensor: Any) -> TensorInfo:
+    shape = [1 if d is None else d for d in getattr(tensor, "shape", ())]
+    return TensorInfo.of(shape, str(getattr(tensor, "dtype", "float32")))

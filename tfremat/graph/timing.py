@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfremat.core import PlanGraph
 from tfremat.graph.keras_graph import CallSite, walk
-from tfremat.graph.plan_graph import PlanGraph
 
 
 def _median_seconds(fn: Any, repeats: int) -> float:

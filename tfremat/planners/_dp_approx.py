@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from tfremat.planners._dp_exact import OBJECTIVES
+from tfremat.planners._dp_exact import SOLVER_OBJECTIVES
 from tfremat.planners._dp_model import DPModel, DPResult
 
 
@@ -89,8 +89,8 @@ def solve(model: DPModel, tables: PairTables, budget: float, objective: str,
     Returns:
         The best sequence found, or None when none meets the budget.
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
+    if objective not in SOLVER_OBJECTIVES:
+        raise ValueError(f"Unknown objective {objective!r}; choose one of {SOLVER_OBJECTIVES}.")
     k = len(tables.keys)
     span = budget - model.persistent if math.isfinite(budget) else tables.max_cache
     width = max(span, 1.0) / buckets

@@ -16,7 +16,7 @@ import numpy as np
 
 from tfremat.planners._dp_model import DPModel, DPResult
 
-OBJECTIVES = ("time", "memory", "peak")
+SOLVER_OBJECTIVES = ("time", "memory", "peak")
 
 
 #: Enumerating more lower sets than this is given up (memory), as a timeout.
@@ -141,8 +141,8 @@ class ExactDP:
         Raises:
             DPTimeout: the deadline passed.
         """
-        if objective not in OBJECTIVES:
-            raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
+        if objective not in SOLVER_OBJECTIVES:
+            raise ValueError(f"Unknown objective {objective!r}; choose one of {SOLVER_OBJECTIVES}.")
         steps = self.steps()
         advance = (self.track(f"exact DP ({objective})", len(self.sets))
                    if self.track else None)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tfremat.graph.plan_graph import PlanGraph, split_ref
-from tfremat.planners._segments import activation_bytes
-from tfremat.simulate.schedule import GRADIENT_LIFETIME_STEPS, requires_grad
+from tfremat.core import PlanGraph, split_ref
+from tfremat.planners.toolkit import activation_bytes
+from tfremat.simulation import GRADIENT_LIFETIME_STEPS, requires_grad
 
 
 class BitSum:

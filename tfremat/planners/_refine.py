@@ -29,11 +29,9 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-from tfremat.graph.plan_graph import PlanGraph
-from tfremat.planners._segments import activation_bytes
-from tfremat.planners.plan import Plan, Segment, shared_layer_groups
-from tfremat.simulate import Estimate, simulate
-from tfremat.simulate.schedule import Schedule, build_schedule, units
+from tfremat.core import Plan, PlanGraph, Segment, shared_layer_groups
+from tfremat.planners.toolkit import activation_bytes
+from tfremat.simulation import Estimate, Schedule, build_schedule, simulate, units
 
 #: Simulations one search may spend (10-40 ms each on a 500-call graph).
 MAX_EVALS = 48
@@ -56,14 +54,15 @@ def lower_peak(graph: PlanGraph, segments: list[Segment], budget_bytes: int | No
     Returns:
         Valid segments whose simulated peak is at most that of `segments`.
     """
-    best, est = segments, simulate(graph, Plan.from_segments(graph, segments))
+    best, est = segments, simulate(graph, Plan.from_segments(graph, segments),
+                                         validate=False)
     evals = 1
     while evals < max_evals and (budget_bytes is None or est.peak_bytes > budget_bytes):
         found = None
         for candidate in _moves(graph, best, est):
             if evals >= max_evals:
                 break
-            trial = simulate(graph, Plan.from_segments(graph, candidate))
+            trial = simulate(graph, Plan.from_segments(graph, candidate), validate=False)
             evals += 1
             if trial.peak_bytes < (found[1] if found else est).peak_bytes:
                 found = (candidate, trial)

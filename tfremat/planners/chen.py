@@ -21,9 +21,8 @@ import bisect
 import math
 from typing import Sequence
 
-from tfremat.graph.plan_graph import PlanGraph, split_ref
-from tfremat.planners import _segments as seg
-from tfremat.planners.plan import Plan, Segment
+from tfremat.core import Plan, PlanGraph, Segment, split_ref
+from tfremat.planners import toolkit as seg
 
 
 def chen_sqrt(graph: PlanGraph, budget_bytes: int | None = None, *,

@@ -19,7 +19,7 @@ own budget is searched:
   When even that one misses the budget, `_refine.lower_peak` nests segments
   where the simulated peak occurs (Chen et al.'s recursion, only where it
   pays) until the plan fits or no move lowers the peak; such plans carry the
-  estimates `"refined": True` and `"flat_peak_bytes"`.
+  estimate details `"refined": True` and `"flat_peak_bytes"`.
 
 The lowest feasible Eq. (2) budget is found directly, by a DP minimising the
 peak, rather than by bisection.
@@ -30,16 +30,15 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from tfremat.graph.plan_graph import PlanGraph
-from tfremat.planners import _dp_approx, _refine, _segments as seg
+from tfremat.core import BudgetError, Plan, PlanGraph
+from tfremat.planners import _dp_approx, _refine, toolkit as seg
 from tfremat.planners._dp_exact import Deadline, DPTimeout, ExactDP
 from tfremat.planners._dp_model import DPModel, DPResult
 from tfremat.planners._progress import progress
-from tfremat.planners.plan import Plan
 
-STRATEGIES = ("time", "memory")
+OBJECTIVES = ("time", "memory")
 
-#: DP budgets of the memory-centric strategy, as multiples of the lowest
+#: DP budgets of the memory-centric objective, as multiples of the lowest
 #: feasible one: coarser blocks can simulate lower (liveness), so a few are tried.
 MEMORY_SCAN = (1.0, 1.1, 1.25, 1.5, 2.0)
 
@@ -47,12 +46,12 @@ MEMORY_SCAN = (1.0, 1.1, 1.25, 1.5, 2.0)
 #: fraction below the budget: a fuller plan would save little more time.
 FILL_TOLERANCE = 0.01
 
-__all__ = ["DPTimeout", "STRATEGIES", "approx_dp", "exact_dp"]
+__all__ = ["DPTimeout", "OBJECTIVES", "approx_dp", "exact_dp"]
 
 _Solver = Callable[[float, str], "DPResult | None"]
 
 
-def exact_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
+def exact_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
              time_limit: float | None = 60.0, search_steps: int = 8,
              verbose: int = 0) -> Plan:
     """Plans with the exact DP over all lower sets (Sec. 4.2).
@@ -63,7 +62,7 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
     Args:
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes.
-        strategy: `"time"` (least overhead within budget) or `"memory"`
+        objective: `"time"` (least overhead within budget) or `"memory"`
             (memory-centric: the lowest simulated peak, nesting segments
             where the peak occurs when flat blocks miss the budget).
         time_limit: Seconds for the whole search (None: no limit).
@@ -79,24 +78,24 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
         BudgetError: no plan found fits the budget; the minimum is the smallest
             simulated peak among the plans tried.
     """
-    settings = {"strategy": strategy, "time_limit": time_limit,
+    settings = {"objective": objective, "time_limit": time_limit,
                 "search_steps": search_steps}
     model = DPModel.of(graph)
     deadline = Deadline(time_limit)
     with progress(verbose) as track:
         dp = ExactDP(model, deadline, track)
-        return _plan(graph, model, dp.solve, budget_bytes, strategy, search_steps,
+        return _plan(graph, model, dp.solve, budget_bytes, objective, search_steps,
                      planner="exact-dp", settings=settings)
 
 
-def approx_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
+def approx_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
               buckets: int = 64, search_steps: int = 8, verbose: int = 0) -> Plan:
     """Plans with the approximate DP over ancestor closures L_v (Sec. 4.3).
 
     Args:
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes.
-        strategy: `"time"` (least overhead within budget) or `"memory"`
+        objective: `"time"` (least overhead within budget) or `"memory"`
             (memory-centric: the lowest simulated peak, nesting segments
             where the peak occurs when flat blocks miss the budget).
         buckets: Bands of cached bytes kept per key (more: closer to optimal,
@@ -112,7 +111,7 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
         BudgetError: no plan found fits the budget; the minimum is the smallest
             simulated peak among the plans tried.
     """
-    settings = {"strategy": strategy, "buckets": buckets, "search_steps": search_steps}
+    settings = {"objective": objective, "buckets": buckets, "search_steps": search_steps}
     model = DPModel.of(graph)
     tables = _dp_approx.PairTables(model)
     with progress(verbose) as track:
@@ -124,18 +123,18 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, strategy: str = "time",
                 advance(1)
             return _dp_approx.solve(model, tables, budget, objective, buckets)
 
-        return _plan(graph, model, solve, budget_bytes, strategy, search_steps,
+        return _plan(graph, model, solve, budget_bytes, objective, search_steps,
                      planner="approx-dp", settings=settings)
 
 
 def _plan(graph: PlanGraph, model: DPModel, solve: _Solver, budget_bytes: int,
-          strategy: str, search_steps: int, *, planner: str,
+          objective: str, search_steps: int, *, planner: str,
           settings: dict[str, Any]) -> Plan:
     """Searches the DP's budget for plans the simulator accepts."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
     search = _Search(graph, model, solve, budget_bytes, planner, settings)
-    if strategy == "memory":
+    if objective == "memory":
         return search.memory_centric()
     return search.time_centric(search_steps)
 
@@ -157,7 +156,7 @@ class _Search:
             self.plans[key] = seg.finish_plan(
                 self.graph, seg.valid_segments(self.graph, blocks), planner=self.planner,
                 budget_bytes=self.budget_bytes, settings=self.settings,
-                extra={"model_peak_bytes": result.peak, "model_overhead": result.overhead,
+                details={"model_peak_bytes": result.peak, "model_overhead": result.overhead,
                        "dp_budget_bytes": dp_budget})
         return self.plans[key]
 
@@ -182,19 +181,19 @@ class _Search:
         Raises:
             BudgetError: even the nested plan misses the budget.
         """
-        best = min(self.plans.values(), key=lambda p: (p.estimates["peak_bytes"],
-                                                       p.estimates["overhead"]))
+        best = min(self.plans.values(),
+                   key=lambda p: (p.peak_bytes, p.estimates.overhead))
         if seg.fits(best, self.budget_bytes):
             return best
         refined = _refine.lower_peak(self.graph, best.segments, self.budget_bytes)
         if refined != best.segments:
             best = seg.finish_plan(self.graph, refined, planner=self.planner,
                                    budget_bytes=self.budget_bytes, settings=self.settings,
-                                   extra={"refined": True,
-                                          "flat_peak_bytes": best.estimates["peak_bytes"]})
+                                   details={"refined": True,
+                                            "flat_peak_bytes": best.peak_bytes})
             if seg.fits(best, self.budget_bytes):
                 return best
-        raise seg.budget_error(self.budget_bytes, best.estimates["peak_bytes"], self.planner,
+        raise BudgetError(self.budget_bytes, best.peak_bytes, self.planner,
                                f"Memory-centric DP at {len(MEMORY_SCAN)} DP budgets, "
                                "then nested where the peak occurs.")
 
@@ -213,10 +212,10 @@ class _Search:
         if seg.fits(first, self.budget_bytes):
             # Eq. (2) and the simulator disagree by a factor that drifts slowly
             # with the DP budget; the first guess assumes it stays put.
-            guess = self.budget_bytes * result.peak / first.estimates["peak_bytes"]
+            guess = self.budget_bytes * result.peak / first.peak_bytes
             high = float(self.model.evaluate([self.model.full])[1])
-            self._search_dp_budget(float(floor.peak), first.estimates["peak_bytes"],
-                                   high, empty.estimates["peak_bytes"], guess,
+            self._search_dp_budget(float(floor.peak), first.peak_bytes,
+                                   high, empty.peak_bytes, guess,
                                    search_steps)
         elif not any(seg.fits(p, self.budget_bytes) for p in self.plans.values()):
             # Fine blocks simulate worse than Eq. (2) rates them; coarse ones can fit.
@@ -241,7 +240,7 @@ class _Search:
         f_low, f_high = low_peak - budget, high_peak - budget
         side, bisect = 0, False
         for _ in range(steps):
-            best_fill = max((p.estimates["peak_bytes"] for p in self.plans.values()
+            best_fill = max((p.peak_bytes for p in self.plans.values()
                              if seg.fits(p, self.budget_bytes)), default=0)
             if best_fill >= (1 - FILL_TOLERANCE) * budget or high - low <= 5e-3 * high:
                 return
@@ -254,7 +253,7 @@ class _Search:
                 middle = low - f_low * width / (f_high - f_low)
             middle = min(max(middle, low + 0.05 * width), high - 0.05 * width)
             result = self.solve(middle, "time")
-            peak = (self.plan_of(result, middle).estimates["peak_bytes"]
+            peak = (self.plan_of(result, middle).peak_bytes
                     if result is not None else math.inf)
             if peak <= budget:
                 low, f_low = middle, peak - budget

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable
 
-from tfremat.errors import BudgetError
-from tfremat.graph.plan_graph import PlanGraph
-from tfremat.planners import _segments as seg
+from tfremat.core import BudgetError, Plan, PlanGraph
+from tfremat.planners import toolkit as seg
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
-from tfremat.planners.dp import STRATEGIES, DPTimeout, approx_dp, exact_dp
-from tfremat.planners.plan import Plan
-from tfremat.planners.swap import swap, swap_combined
-from tfremat.simulate import simulate
+from tfremat.planners.dp import OBJECTIVES, DPTimeout, approx_dp, exact_dp
+from tfremat.planners.swapping import swap, swap_combined
+from tfremat.simulation import simulate
 
 PLANNERS: dict[str, Callable[..., Plan]] = {
     "chen-sqrt": chen_sqrt,
@@ -37,16 +36,16 @@ OFFLOAD_LADDER = (0.0, 0.25, 0.5)
 
 
 def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
-              strategy: str = "time", time_limit: float | None = 60.0,
+              objective: str = "time", time_limit: float | None = 60.0,
               verbose: int = 0, offload: bool = True, **settings: Any) -> Plan:
     """Plans recomputation (and host offload) for `graph` under a device budget.
 
     With `planner="auto"`: when the step already fits, an empty plan (no
-    rewrite needed). Otherwise, first the approximate DP with `strategy` (and
+    rewrite needed). Otherwise, first the approximate DP with `objective` (and
     the exact DP on graphs of at most `EXACT_DP_MAX_NODES` nodes), Chen's
     greedy and sqrt(n) plans: the one that fits with the least extra compute
     wins. When none fits, `chen-recursive` (nested segments reach below one
-    level of segments) and, for `strategy="memory"`, the time-centric DPs,
+    level of segments) and, for `objective="memory"`, the time-centric DPs,
     again the cheapest that fits (a time-centric DP that misses has already
     tried the memory-centric plans). When none fits and `offload` is on, the
     last step offloads activations to host memory on top of recompute plans
@@ -57,7 +56,7 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes, persistent bytes included.
         planner: `"auto"` or a key of `PLANNERS`.
-        strategy: `"time"` (least overhead) or `"memory"` (memory-centric), for
+        objective: `"time"` (least overhead) or `"memory"` (memory-centric), for
             the DP planners.
         time_limit: Seconds for the exact DP; past it, `make_plan` warns and
             falls back to the approximate DP.
@@ -70,32 +69,31 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
 
     Returns:
         A Plan that passes `plan.validate(graph)`, with `planner`, `settings`,
-        `budget_bytes` and estimates `"peak_bytes"`, `"overhead"`,
-        `"extra_compute"` from `simulate`.
+        `budget_bytes` and a `PlanEstimate` from `simulate`.
 
     Raises:
-        ValueError: unknown planner or strategy.
-        BudgetError: the budget cannot be met; `min_budget_mb` is the smallest
+        ValueError: unknown planner or objective.
+        BudgetError: the budget cannot be met; `min_budget_bytes` is the smallest
             simulated peak among the planners tried.
 
     Example:
 
     >>> plan = make_plan(graph, budget_bytes=6000 * 2**20)
-    >>> plan.estimates["peak_bytes"] <= 6000 * 2**20
+    >>> plan.peak_bytes <= 6000 * 2**20
     True
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
     if planner == "auto":
-        return _auto(graph, budget_bytes, strategy, time_limit, verbose, offload, settings)
+        return _auto(graph, budget_bytes, objective, time_limit, verbose, offload, settings)
     if planner not in PLANNERS:
         raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
                          f"{sorted(PLANNERS)}.")
     if planner == "exact-dp":
-        return _exact_or_approx(graph, budget_bytes, strategy, time_limit, verbose,
+        return _exact_or_approx(graph, budget_bytes, objective, time_limit, verbose,
                                 settings)
     if planner == "approx-dp":
-        settings = {**settings, "strategy": strategy, "verbose": verbose}
+        settings = {**settings, "objective": objective, "verbose": verbose}
     return PLANNERS[planner](graph, budget_bytes, **settings)
 
 
@@ -113,23 +111,23 @@ def min_feasible_budget(graph: PlanGraph, planner: str = "auto", **settings: Any
     try:
         plan = make_plan(graph, 0, planner, **settings)
     except BudgetError as err:
-        return round(err.min_budget_mb * seg.MIB)
-    return plan.estimates["peak_bytes"]
+        return err.min_budget_bytes
+    return plan.peak_bytes
 
 
-def _exact_or_approx(graph: PlanGraph, budget_bytes: int, strategy: str,
+def _exact_or_approx(graph: PlanGraph, budget_bytes: int, objective: str,
                      time_limit: float | None, verbose: int,
                      settings: dict[str, Any]) -> Plan:
     try:
-        return exact_dp(graph, budget_bytes, strategy=strategy, time_limit=time_limit,
+        return exact_dp(graph, budget_bytes, objective=objective, time_limit=time_limit,
                         verbose=verbose, **settings)
     except DPTimeout as err:
         warnings.warn(f"{err} Falling back to the approximate DP.", stacklevel=3)
         steps = {k: v for k, v in settings.items() if k == "search_steps"}
-        return approx_dp(graph, budget_bytes, strategy=strategy, verbose=verbose, **steps)
+        return approx_dp(graph, budget_bytes, objective=objective, verbose=verbose, **steps)
 
 
-def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float | None,
+def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float | None,
           verbose: int, offload: bool, settings: dict[str, Any]) -> Plan:
     swap_settings = {k: v for k, v in settings.items() if k in SWAP_SETTINGS}
     settings = {k: v for k, v in settings.items() if k not in SWAP_SETTINGS}
@@ -137,28 +135,27 @@ def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float 
     if est.peak_bytes <= budget_bytes:
         return Plan.from_segments(
             graph, [], planner="auto", budget_bytes=budget_bytes,
-            settings={"strategy": strategy},
-            estimates={**seg.estimates_of(est),
-                       "note": "The step fits the budget without recomputation: "
-                               "no rewrite needed."})
-    other = "memory" if strategy == "time" else "time"
+            settings={"objective": objective},
+            estimates=est.plan_estimate(note="The step fits the budget without "
+                                             "recomputation: no rewrite needed."))
+    other = "memory" if objective == "time" else "time"
 
     def dp(name: str, s: str) -> tuple[str, Callable[[int], Plan]]:
         if name == "approx-dp":
             return (f"approx-dp ({s})", lambda b: approx_dp(
-                graph, b, strategy=s, verbose=verbose, **settings))
+                graph, b, objective=s, verbose=verbose, **settings))
         return (f"exact-dp ({s})", lambda b: exact_dp(
-            graph, b, strategy=s, time_limit=time_limit, verbose=verbose))
+            graph, b, objective=s, time_limit=time_limit, verbose=verbose))
 
     small = len(graph) <= EXACT_DP_MAX_NODES
     # Phase 1: the cheapest plan among those aiming at little recomputation.
-    first = [dp("approx-dp", strategy)] + ([dp("exact-dp", strategy)] if small else []) + [
+    first = [dp("approx-dp", objective)] + ([dp("exact-dp", objective)] if small else []) + [
         ("chen-greedy", lambda b: chen_greedy(graph, b)),
         ("chen-sqrt", lambda b: chen_sqrt(graph, b))]
     # Phase 2, when none fits: strategies that trade more compute for memory. A
     # time-centric DP that misses has tried the memory-centric plans already.
     second = (([dp("approx-dp", other)] + ([dp("exact-dp", other)] if small else []))
-              if strategy == "memory" else []) + [
+              if objective == "memory" else []) + [
         ("chen-recursive", lambda b: chen_recursive(graph, b))]
     minimum = est.peak_bytes
     tried: list[str] = []
@@ -170,32 +167,35 @@ def _auto(graph: PlanGraph, budget_bytes: int, strategy: str, time_limit: float 
                 fitting.append(attempt(budget_bytes))
                 tried.append(f"{name}: fits")
             except BudgetError as err:
-                minimum = min(minimum, round(err.min_budget_mb * seg.MIB))
+                minimum = min(minimum, err.min_budget_bytes)
                 tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
                 answered.append(attempt)
             except DPTimeout as err:
                 warnings.warn(f"{err} Skipping it.", stacklevel=3)
                 tried.append(f"{name}: timed out")
         if fitting:
-            plan = min(fitting, key=lambda p: (p.estimates["overhead"],
-                                               p.estimates["peak_bytes"]))
-            plan.estimates["note"] = (f"Chosen by planner='auto' (least extra compute "
-                                      f"among plans that fit) after: {'; '.join(tried)}.")
-            return plan
+            plan = min(fitting, key=seg.cost)
+            return _noted(plan, f"Chosen by planner='auto' (least extra compute among "
+                                f"plans that fit) after: {'; '.join(tried)}.")
     if offload:
         bases = _recompute_bases(answered, minimum, est.peak_bytes)
         try:
             plan = swap_combined(graph, budget_bytes, bases, **swap_settings)
         except BudgetError as err:
-            minimum = min(minimum, round(err.min_budget_mb * seg.MIB))
+            minimum = min(minimum, err.min_budget_bytes)
             tried.append(f"swap: {err.min_budget_mb:.1f} MiB")
         else:
-            plan.estimates["note"] = (
-                f"Chosen by planner='auto' after: {'; '.join(tried)}; offloading to host "
-                "memory (on top of recomputation when cheaper) meets the budget.")
-            return plan
-    raise seg.budget_error(budget_bytes, minimum, "auto",
-                           "Smallest peaks reached: " + "; ".join(tried) + ".")
+            return _noted(plan, f"Chosen by planner='auto' after: {'; '.join(tried)}; "
+                                "offloading to host memory (on top of recomputation "
+                                "when cheaper) meets the budget.")
+    raise BudgetError(budget_bytes, minimum, "auto",
+                      "Smallest peaks reached: " + "; ".join(tried) + ".")
+
+
+def _noted(plan: Plan, note: str) -> Plan:
+    """`plan` with `note` in its estimates."""
+    plan.estimates = dataclasses.replace(plan.estimates, note=note)
+    return plan
 
 
 def _recompute_bases(attempts: list[Callable[[int], Plan]], lowest: int,

@@ -21,9 +21,8 @@ import keras
 from keras.src import tree
 from keras.src.backend import get_keras_mask
 
-from tfremat.errors import UnsupportedModelError
-from tfremat.graph.keras_graph import CallSite, as_functional
-from tfremat.planners.plan import Segment
+from tfremat.core import Segment, UnsupportedModelError
+from tfremat.graph import CallSite, as_functional
 from tfremat.rewriter.offload import GradientSignals
 from tfremat.rewriter.offload_layers import GradientSignal, HostCopy, OffloadUnit
 from tfremat.rewriter.segment_layer import RecomputeSegment

@@ -10,7 +10,7 @@ extra compute for Conv2D/Dense: their gradients need only their inputs, so
 Grappler prunes the dead re-run; ops whose gradient needs their own output
 (ReLU, tanh, BatchNorm's moments) are recomputed.
 
-Two Grappler details (NOTES.md, "Host offload in graph mode"): copies are
+Two Grappler details (docs/how-it-works.md, "Host offload"): copies are
 marked `_grappler_do_not_remove`, else the dependency optimizer removes the
 compute -> host -> compute Identity round trip (a copy back is marked only
 when the gradient reads it, so that Grappler prunes unread ones, e.g. of an
@@ -34,8 +34,8 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
 
-from tfremat.errors import UnsupportedModelError
-from tfremat.rewriter.recompute import activation_losses, state_variables
+from tfremat.core import UnsupportedModelError
+from tfremat.rewriter.exact_recompute import activation_losses, state_variables
 
 KEEP_ATTR = "_grappler_do_not_remove"
 
@@ -197,7 +197,7 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
     `compute_device`, with the other inputs as they were, and differentiates
     it. The re-run sees the state variables of the forward pass (BatchNorm
     statistics, dropout seeds) and assigns none of them, as in
-    `tfremat.rewriter.recompute.recompute`.
+    `tfremat.rewriter.exact_recompute.recompute`.
 
     Args:
         fn: A function of positional tensors only (bind `training` in a

@@ -7,7 +7,7 @@ from typing import Any
 import keras
 from keras.src import tree
 
-from tfremat.rewriter.recompute import recompute
+from tfremat.rewriter.exact_recompute import recompute
 
 
 @keras.saving.register_keras_serializable(package="tfremat")
@@ -19,10 +19,10 @@ class RecomputeSegment(keras.layers.Layer):
     the sub-model again to get the activations its gradients need. The
     recompute is exact: it sees the BatchNorm moving statistics and the
     `SeedGenerator` states (dropout masks) of the forward pass, and updates
-    neither (see `tfremat.rewriter.recompute`). `training` is passed to every
+    neither (see `tfremat.rewriter.exact_recompute`). `training` is passed to every
     sublayer explicitly, also in the recompute.
 
-    The layer is built by `tfremat.rewriter.rewrite_model` and saves with the
+    The layer is built by `tfremat.rewriter.rewriting` and saves with the
     model: `keras.models.load_model` restores it once `tfremat.rewriter` is
     imported (importing registers the class).
 

@@ -6,7 +6,7 @@ graph to rebuild. Its planning units are the calls of its direct sublayers
 `tfremat.extract` finds them by tracing a training step: ids `layer.name`, or
 `name@k` for the k-th call of a sublayer called more than once. The plan is
 checked against that extracted graph. A plan chooses sublayers; each call of a
-chosen sublayer is then one exact recompute unit (`tfremat.rewriter.recompute`).
+chosen sublayer is then one exact recompute unit (`tfremat.rewriter.exact_recompute`).
 
 How the user's model stays untouched: the rewritten model is a new object of
 the user's class with the user's `call`, made WITHOUT running `__init__` (which
@@ -44,11 +44,9 @@ from keras.src.backend import any_symbolic_tensors
 from keras.src.backend.common import global_state
 from keras.src.utils import tracking
 
-from tfremat.errors import UnsupportedModelError
-from tfremat.graph.extract import extract
-from tfremat.planners.plan import Plan
-from tfremat.rewriter.recompute import recompute
-from tfremat.rewriter.validate import validate_plan
+from tfremat.core import Plan, UnsupportedModelError, validate_plan
+from tfremat.graph import extract
+from tfremat.rewriter.exact_recompute import recompute
 
 
 class RecomputedCall:
@@ -57,7 +55,7 @@ class RecomputedCall:
     Stands in for a sublayer inside a rewritten subclassed model. Its calls
     bind `training` (given, or from Keras's call context) and every
     non-tensor argument in a closure, and pass the tensors to
-    `tfremat.rewriter.recompute.recompute`.
+    `tfremat.rewriter.exact_recompute.recompute`.
 
     Args:
         layer: The sublayer to recompute.

@@ -4,7 +4,7 @@ The step is the model's own `train_step` when the model is compiled (forward,
 compiled loss, `tape.gradient`, optimizer update), otherwise a plain step with
 a mean-square loss and SGD. While tracing, each call site's `call` is wrapped to
 record the range of graph operations it creates (Keras name scopes are not
-layer names, see NOTES.md), and `tf.GradientTape.gradient` is wrapped to find
+layer names: docs/how-it-works.md, "Tracing"), and `tf.GradientTape.gradient` is wrapped to find
 where the backward pass starts and ends.
 """
 
@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.errors import UnsupportedModelError
+from tfremat.core import UnsupportedModelError
 from tfremat.graph.keras_graph import CallSite, is_subclassed, walk_with_outputs
 
 

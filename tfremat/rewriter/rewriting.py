@@ -8,11 +8,10 @@ import keras
 
 import tensorflow as tf
 
-from tfremat.errors import PlanValidationError, TfrematError, UnsupportedModelError
-from tfremat.graph.keras_graph import is_subclassed, walk_with_outputs
-from tfremat.planners.plan import Plan
+from tfremat.core import (Plan, PlanValidationError, TfrematError, UnsupportedModelError,
+                          validate_plan)
+from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
 from tfremat.rewriter.functional import OffloadSettings, rebuild
-from tfremat.rewriter.validate import structure_graph, validate_plan
 
 
 def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None = None,
@@ -111,7 +110,7 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                 "functional and Sequential models only. Plan without offload.")
         return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
-    validate_plan(plan, structure_graph(sites, model.name), output_refs)
+    validate_plan(plan, structure_graph(model))
     offload = None
     if plan.offloaded:
         offload = OffloadSettings({o.tensor: o.prefetch_after for o in plan.offloaded},

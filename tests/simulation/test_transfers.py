@@ -17,8 +17,8 @@ given in MiB per ms to keep the arithmetic exact.
 import pytest
 
 from tfremat import Node, Offload, Plan, PlanGraph, TensorInfo, simulate
-from tfremat.errors import PlanValidationError
-from tfremat.simulate import build_schedule
+from tfremat.core import PlanValidationError
+from tfremat.simulation import build_schedule
 
 MIB = 2**20
 MS = 1e-3
@@ -150,7 +150,7 @@ def test_buffer_waits_for_its_forward_readers():
                     seconds_forward=1 * MS, seconds_backward=2 * MS)
     g = PlanGraph(nodes, outputs=["l5:0"])
     plain = simulate(g)
-    est = simulate(g, offload(g, ("l0:0", "l2")), bandwidth_gbps=gbps(100))
+    est = simulate(g, offload(g, ("l0:0", "l4")), bandwidth_gbps=gbps(100))
     assert live(est, "fwd l3") == live(plain, "fwd l3")
     assert live(est, "fwd l4") == live(plain, "fwd l4") - 2 * MIB
 
@@ -193,14 +193,21 @@ def test_segment_input_comes_back_before_the_recomputation():
 
 def test_trigger_after_the_first_backward_reader_is_refused():
     g = chain()
+    with pytest.raises(PlanValidationError, match="must come after its last reader 'l1'"):
+        simulate(g, Plan.from_segments(g, [], offloaded=[Offload("l0:0", "l0")]))
+    # Planners simulate unvalidated plans; the simulator still refuses this one.
     with pytest.raises(PlanValidationError, match="too late"):
-        simulate(g, offload(g, ("l0:0", "l0")))
+        simulate(g, Plan.from_segments(g, [], offloaded=[Offload("l0:0", "l0")]),
+                 validate=False)
 
 
 def test_trigger_without_a_backward_step_is_refused():
     g = chain()
+    with pytest.raises(PlanValidationError, match="'in' of 'l1:0' has no floating input"):
+        simulate(g, Plan.from_segments(g, [], offloaded=[Offload("l1:0", "in")]))
     with pytest.raises(PlanValidationError, match="no backward step"):
-        simulate(g, offload(g, ("l1:0", "in")))
+        simulate(g, Plan.from_segments(g, [], offloaded=[Offload("l1:0", "in")]),
+                 validate=False)
 
 
 def test_unknown_offloaded_tensor_is_refused():

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from typing import Any, Iterable, Iterator
 
-from tfremat import jsonio
+from tfremat.core import jsonio
 
 FORMAT_VERSION = 1
 
@@ -292,7 +293,7 @@ class PlanGraph:
             ],
         }
 
-    def to_json(self, path: str | None = None, *, indent: int | None = None) -> str:
+    def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = None) -> str:
         """Serialises the graph to JSON, also writing it to `path` if given."""
         return jsonio.dumps(self.to_dict(), path, indent=indent)
 
@@ -305,10 +306,14 @@ class PlanGraph:
                 f"(this tfremat reads version {FORMAT_VERSION})."
             )
         nodes = []
-        for nd in data["nodes"]:
-            nd = dict(nd)
-            nd["outputs"] = [TensorInfo(tuple(s), d, b) for s, d, b in nd["outputs"]]
-            nodes.append(Node(**nd))
+        try:
+            for nd in data["nodes"]:
+                nd = dict(nd)
+                nd["outputs"] = [TensorInfo(tuple(s), d, b) for s, d, b in nd["outputs"]]
+                nodes.append(Node(**nd))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"PlanGraph JSON has malformed nodes ({type(e).__name__}: "
+                             f"{e}).") from None
         graph = cls(
             nodes=nodes,
             persistent_bytes=dict(data.get("persistent_bytes", {})),
@@ -324,6 +329,10 @@ class PlanGraph:
         return graph
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> "PlanGraph":
-        """Reads a graph from a JSON string or a path to a JSON file."""
-        return cls.from_dict(jsonio.loads(text_or_path))
+    def from_json(cls, text_or_path: str | os.PathLike) -> "PlanGraph":
+        """Reads a graph from JSON text or a JSON file.
+
+        Raises:
+            ValueError: not an existing file nor JSON text, or not a PlanGraph.
+        """
+        return cls.from_dict(jsonio.loads(text_or_path, "PlanGraph"))

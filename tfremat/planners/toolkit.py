@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from tfremat.errors import BudgetError
-from tfremat.graph.plan_graph import Node, PlanGraph, split_ref
-from tfremat.planners.plan import Plan, Segment, shared_layer_groups
-from tfremat.simulate import Estimate, simulate
-
-MIB = 2**20
-
+from tfremat.core import (BudgetError, Node, Plan, PlanGraph, Segment,
+                          shared_layer_groups, split_ref)
+from tfremat.simulation import simulate
 
 def activation_bytes(node: Node) -> int:
     """Bytes a call's forward results occupy: outputs plus internal saved tensors."""
@@ -202,7 +198,7 @@ def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list
 
 def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
                 planner: str, budget_bytes: int | None, settings: dict[str, Any],
-                extra: dict[str, Any] | None = None) -> Plan:
+                details: dict[str, Any] | None = None) -> Plan:
     """Wraps segments in a validated Plan whose estimates come from `simulate`.
 
     Args:
@@ -211,28 +207,26 @@ def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
         planner: Planner name recorded in the plan.
         budget_bytes: Budget recorded in the plan.
         settings: Planner settings recorded in the plan.
-        extra: More estimates to record (planner-specific).
+        details: The planner's own figures, recorded in the estimates.
 
     Returns:
-        The Plan, with estimates `"peak_bytes"`, `"overhead"` and
-        `"extra_compute"` from the simulator.
+        The Plan, with `PlanEstimate` from the simulator.
     """
     plan = Plan.from_segments(graph, list(segments), planner=planner,
                               budget_bytes=budget_bytes, settings=dict(settings))
     plan.validate(graph)
-    plan.estimates = {**estimates_of(simulate(graph, plan)), **(extra or {})}
+    plan.estimates = simulate(graph, plan, validate=False).plan_estimate(details=details)
     return plan
-
-
-def estimates_of(est: Estimate) -> dict[str, Any]:
-    """The estimates every Plan carries, from a simulator `Estimate`."""
-    return {"peak_bytes": est.peak_bytes, "overhead": est.overhead,
-            "extra_compute": est.extra_compute}
 
 
 def fits(plan: Plan, budget_bytes: int | None) -> bool:
     """Whether the plan's simulated peak is within the budget (None: no budget)."""
-    return budget_bytes is None or plan.estimates["peak_bytes"] <= budget_bytes
+    return budget_bytes is None or plan.peak_bytes <= budget_bytes
+
+
+def cost(plan: Plan) -> tuple[float, int]:
+    """How plans that fit are ranked: least overhead, then smallest peak."""
+    return (plan.estimates.overhead, plan.peak_bytes)
 
 
 def best_plan(plans: Sequence[Plan], budget_bytes: int | None, planner: str,
@@ -253,15 +247,6 @@ def best_plan(plans: Sequence[Plan], budget_bytes: int | None, planner: str,
     """
     within = [p for p in plans if fits(p, budget_bytes)]
     if within:
-        return min(within, key=lambda p: (p.estimates["overhead"],
-                                          p.estimates["peak_bytes"]))
-    lowest = min(p.estimates["peak_bytes"] for p in plans)
-    raise budget_error(budget_bytes, lowest, planner, detail)
-
-
-def budget_error(budget_bytes: int | None, min_bytes: int, planner: str,
-                 detail: str = "") -> BudgetError:
-    """A BudgetError stating the minimum feasible budget, exact in bytes too."""
-    text = f"({min_bytes} bytes by the simulator.)"
-    return BudgetError((budget_bytes or 0) / MIB, min_bytes / MIB, planner,
-                       f"{text} {detail}".strip())
+        return min(within, key=cost)
+    lowest = min(p.peak_bytes for p in plans)
+    raise BudgetError(budget_bytes, lowest, planner, detail)

@@ -17,9 +17,8 @@ import dataclasses
 import heapq
 from typing import Union
 
-from tfremat.graph.plan_graph import Node, PlanGraph
-from tfremat.planners.plan import Plan, Segment
-from tfremat.simulate.transfers import DEVICE_FLOPS, node_seconds
+from tfremat.core import Node, Plan, PlanGraph, Segment
+from tfremat.simulation.transfers import DEVICE_FLOPS, node_seconds
 
 Key = tuple
 _Unit = Union[Node, Segment]

@@ -18,9 +18,9 @@ import tensorflow as tf
 
 from tfremat.backend import require_tensorflow
 from tfremat.graph import costs
-from tfremat.graph.plan_graph import Node, PlanGraph, TensorInfo
+from tfremat.core import Node, PlanGraph, TensorInfo
 from tfremat.graph.timing import measure_layer_times
-from tfremat.graph.trace import TracedStep, trace
+from tfremat.graph.tracing import TracedStep, trace
 
 LOSS = "<loss>"
 UPDATE = "<update>"

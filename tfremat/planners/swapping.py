@@ -26,11 +26,9 @@ import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
-from tfremat.errors import BudgetError
-from tfremat.graph.plan_graph import PlanGraph
-from tfremat.planners import _segments as seg
-from tfremat.planners.plan import Offload, Plan
-from tfremat.simulate import (BANDWIDTH_GBPS, DEVICE_FLOPS, Estimate, Schedule,
+from tfremat.core import MIB, BudgetError, Offload, Plan, PlanGraph
+from tfremat.planners import toolkit as seg
+from tfremat.simulation import (BANDWIDTH_GBPS, DEVICE_FLOPS, Estimate, Schedule,
                               build_schedule, simulate)
 
 #: Tensors smaller than this are not offloaded by default (copy latency, host
@@ -98,9 +96,8 @@ def swap(graph: PlanGraph, budget_bytes: int, *, base_plan: Plan | None = None,
 
     Returns:
         A Plan with the base plan's segments and the offloaded tensors, whose
-        estimates (`"peak_bytes"`, `"overhead"` with stalls, `"extra_compute"`,
-        `"host_peak_bytes"`, `"step_seconds"`, `"baseline_seconds"`,
-        `"stall_seconds"`) come from `simulate` with the same bandwidth and
+        `PlanEstimate` (overhead with stalls, host peak, step, baseline and
+        stall seconds) comes from `simulate` with the same bandwidth and
         device rate.
 
     Raises:
@@ -123,7 +120,8 @@ def swap(graph: PlanGraph, budget_bytes: int, *, base_plan: Plan | None = None,
 
     def evaluate(move: _Candidate | None = None) -> Estimate:
         plan = dataclasses.replace(base, offloaded=offloads(move))
-        return simulate(graph, plan, bandwidth_gbps=bandwidth_gbps, device_flops=device_flops)
+        return simulate(graph, plan, bandwidth_gbps=bandwidth_gbps, device_flops=device_flops,
+                        validate=False)
 
     schedule = build_schedule(graph, base, device_flops=device_flops)
     bandwidth = bandwidth_gbps * 1e9
@@ -141,15 +139,15 @@ def swap(graph: PlanGraph, budget_bytes: int, *, base_plan: Plan | None = None,
         chosen[move.ref] = move
         options = [c for c in options if c not in ruled_out and c != move]
     if est.peak_bytes > budget_bytes:
-        raise seg.budget_error(
+        raise BudgetError(
             budget_bytes, est.peak_bytes, "swap",
             f"Offloading {len(chosen)} tensors (host peak "
-            f"{est.host_peak_bytes / seg.MIB:.1f} MiB of {host_budget / seg.MIB:.1f} "
+            f"{est.host_peak_bytes / MIB:.1f} MiB of {host_budget / MIB:.1f} "
             f"allowed, {bandwidth_gbps:g} GB/s) on top of {base.planner!r} left no "
             "candidate that lowers the peak.")
     plan = Plan(graph_fingerprint=graph.fingerprint(), budget_bytes=budget_bytes,
                 planner="swap", settings=settings, segments=list(base.segments),
-                offloaded=offloads(), estimates=estimates_with_time(est))
+                offloaded=offloads(), estimates=est.plan_estimate(with_time=True))
     plan.validate(graph)
     return plan
 
@@ -181,21 +179,14 @@ def swap_combined(graph: PlanGraph, budget_bytes: int, bases: Sequence[Plan],
         try:
             plans.append(swap(graph, budget_bytes, base_plan=base, **settings))
         except BudgetError as err:
-            reached = round(err.min_budget_mb * seg.MIB)
+            reached = err.min_budget_bytes
             lowest = reached if lowest is None else min(lowest, reached)
             tried.append(f"on {base.planner!r} ({len(base.segments)} segments): "
                          f"{err.min_budget_mb:.1f} MiB")
     if plans:
-        return min(plans, key=lambda p: (p.estimates["overhead"], p.estimates["peak_bytes"]))
-    raise seg.budget_error(budget_bytes, lowest, "swap",
-                           "Offloading reached: " + "; ".join(tried) + ".")
-
-
-def estimates_with_time(est: Estimate) -> dict[str, Any]:
-    """A plan's estimates, with host memory and the time model's figures."""
-    return {**seg.estimates_of(est), "host_peak_bytes": est.host_peak_bytes,
-            "step_seconds": est.step_seconds, "baseline_seconds": est.baseline_seconds,
-            "stall_seconds": est.stall_seconds}
+        return min(plans, key=seg.cost)
+    raise BudgetError(budget_bytes, lowest, "swap",
+                      "Offloading reached: " + "; ".join(tried) + ".")
 
 
 # -- helpers ---------------------------------------------------------------------
@@ -207,16 +198,30 @@ def _candidates(schedule: Schedule, base: Plan, min_bytes: int, slack: float,
 
     The options are the nearest backward steps whose compute until the first
     reader covers `slack`, 1 and 1/2 times the copy, and the step just before
-    the reader; the earliest step after the loss when none covers enough.
+    the reader; the earliest step after the loss when none covers enough. As
+    the rewriter needs (`tfremat.core.validate_plan`), a trigger comes after
+    every forward reader of its tensor, model outputs stay on the device, and
+    a tensor read inside the segment making it is not a candidate.
     """
+    graph = schedule.graph
     taken = {schedule.key_of(o.tensor)[0] for o in base.offloaded}
-    node_at = {step: nid for nid, step in schedule.backward_step.items()}
+    node_at = {step: nid for nid, step in schedule.backward_step.items()
+               if any(graph.tensor(r).differentiable for r in graph.node(nid).inputs)}
+    consumers = graph.consumers()
+    segment_of = {n: k for k, seg_ in enumerate(base.segments) for n in seg_.nodes}
     out = []
     for ref, life in schedule.lifetimes().items():
         first = life.backward_first
-        if first is None or life.nbytes < min_bytes or ref in taken:
+        if first is None or life.nbytes < min_bytes or ref in taken or ref in graph.outputs:
             continue
-        steps = [s for s in range(first - 1, schedule.loss_step, -1) if s in node_at]
+        producer = segment_of.get(ref.rsplit(":", 1)[0])
+        readers = consumers[ref]
+        if not readers or (producer is not None and any(
+                segment_of.get(r) == producer for r in readers)):
+            continue
+        last_reader = max(graph.index(r) for r in readers)
+        steps = [s for s in range(first - 1, schedule.loss_step, -1)
+                 if s in node_at and graph.index(node_at[s]) > last_reader]
         if not steps:  # nothing to prefetch behind: the last layers
             continue
         copy = life.nbytes / bandwidth

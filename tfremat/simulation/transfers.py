@@ -28,7 +28,7 @@ import bisect
 import dataclasses
 from typing import Sequence
 
-from tfremat.graph.plan_graph import Node
+from tfremat.core import Node
 
 #: Default device FLOP rate (FLOP/s) for calls without measured times.
 DEVICE_FLOPS = 5e12

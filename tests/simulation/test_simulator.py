@@ -3,7 +3,7 @@
 import pytest
 
 from tfremat import Node, Plan, PlanGraph, Segment, TensorInfo, simulate
-from tfremat.errors import PlanMismatchError
+from tfremat.core import PlanMismatchError
 
 MB = 2**20
 
@@ -28,16 +28,16 @@ def fig2_graph() -> PlanGraph:
 
 
 def test_no_optimisation_allocates_every_output():
-    assert simulate(fig2_graph(), strategy="none").peak_bytes == 11 * MB
+    assert simulate(fig2_graph(), sharing="none").peak_bytes == 11 * MB
 
 
 def test_inplace_avoids_the_trap_of_a_still_needed_input():
     # C = sigmoid(B) may not overwrite B, which F still reads; G overwrites E.
-    assert simulate(fig2_graph(), strategy="inplace").peak_bytes == 10 * MB
+    assert simulate(fig2_graph(), sharing="inplace").peak_bytes == 10 * MB
 
 
 def test_sharing_frees_after_last_reader():
-    est = simulate(fig2_graph(), strategy="sharing")
+    est = simulate(fig2_graph(), sharing="sharing")
     # While F runs, B (its input), C (still to be pooled) and F are alive.
     assert est.peak_bytes == 9 * MB
     assert est.peak_step == "fwd F"
@@ -51,8 +51,8 @@ def test_sharing_reuses_memory_of_a_different_size():
         Node("small", "small", "Dense", ["big:0"], [t(2)]),
         Node("tiny", "tiny", "Dense", ["small:0"], [t(1)]),
     ], outputs=["tiny:0"])
-    assert simulate(g, strategy="sharing").peak_bytes == 6 * MB  # big + small
-    assert simulate(g, strategy="none").peak_bytes == 7 * MB
+    assert simulate(g, sharing="sharing").peak_bytes == 6 * MB  # big + small
+    assert simulate(g, sharing="none").peak_bytes == 7 * MB
 
 
 def mlp_graph(p1: float = 0.5, p2: float = 0.25) -> PlanGraph:
@@ -129,6 +129,6 @@ def test_timeline_covers_forward_backward_and_update():
     assert max(b for _, b in est.timeline) == est.peak_bytes
 
 
-def test_unknown_strategy_is_an_error():
-    with pytest.raises(ValueError, match="Unknown strategy"):
-        simulate(chain(2), strategy="magic")
+def test_unknown_sharing_mode_is_an_error():
+    with pytest.raises(ValueError, match="Unknown sharing mode"):
+        simulate(chain(2), sharing="magic")

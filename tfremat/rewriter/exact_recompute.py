@@ -1,6 +1,7 @@
 """The exact recompute mechanism shared by every recompute unit.
 
-`tf.recompute_grad` alone is not exact for Keras layers (NOTES.md): the
+`tf.recompute_grad` alone is not exact for Keras layers (docs/how-it-works.md,
+"Rewriting"): the
 recompute in the backward pass updates BatchNorm moving statistics a second
 time and advances `SeedGenerator`s, so dropout draws a new mask and the
 gradients are wrong. `recompute` fixes both: it snapshots the unit's state
@@ -20,8 +21,8 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend import get_keras_mask, set_keras_mask
 
-from tfremat.errors import UnsupportedModelError
-from tfremat.rewriter.checkpoint import recompute_grad
+from tfremat.core import UnsupportedModelError
+from tfremat.rewriter.recompute_grad import recompute_grad
 
 
 def state_variables(layers: Sequence[Any]) -> list[Any]:

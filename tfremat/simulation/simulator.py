@@ -7,7 +7,7 @@ step that makes it to the last step that reads it; the device peak is the
 largest sum of live buffers plus the step's transient workspace (Chen et al.
 2016 Sec. 3; the MXNet memory note).
 
-Strategies (the MXNet note's "memory cost estimation"):
+Sharing modes (the MXNet note's "memory cost estimation"):
     "none": nothing is ever freed or shared.
     "inplace": nothing is freed, but an elementwise call whose input has no
         other pending reader writes its output into that input's buffer.
@@ -32,14 +32,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tfremat.errors import PlanValidationError
-from tfremat.graph.plan_graph import Node, PlanGraph
-from tfremat.planners.plan import Offload, Plan
-from tfremat.simulate.schedule import Key, Schedule, build_schedule
-from tfremat.simulate.transfers import (BANDWIDTH_GBPS, DEVICE_FLOPS, Timing, Transfer,
+from tfremat.core import (Node, Offload, Plan, PlanEstimate, PlanGraph, PlanValidationError,
+                          validate_plan)
+from tfremat.simulation.schedule import Key, Schedule, build_schedule
+from tfremat.simulation.transfers import (BANDWIDTH_GBPS, DEVICE_FLOPS, Timing, Transfer,
                                         run_timeline)
 
-STRATEGIES = ("none", "inplace", "sharing")
+#: How buffers are reused, from none to what TensorFlow does.
+SHARING_MODES = ("none", "inplace", "sharing")
 
 
 @dataclasses.dataclass
@@ -57,7 +57,7 @@ class Estimate:
             (seconds when the graph has measured times, FLOPs otherwise).
         extra_compute: Cost of the recomputed forward calls, same unit.
         extra_flops: FLOPs of the recomputed forward calls.
-        strategy: The memory strategy simulated.
+        sharing: The sharing mode simulated (`SHARING_MODES`).
         host_peak_bytes: Predicted host memory of offloaded tensors.
         step_seconds: Predicted time of the step: compute, recomputation and
             stalls waiting for copies back (see `transfers.py` for the model).
@@ -74,7 +74,7 @@ class Estimate:
     base_compute: float
     extra_compute: float
     extra_flops: float
-    strategy: str
+    sharing: str
     host_peak_bytes: int = 0
     step_seconds: float = 0.0
     baseline_seconds: float = 0.0
@@ -93,6 +93,26 @@ class Estimate:
         stalls = self.stall_seconds / self.baseline_seconds if self.baseline_seconds else 0.0
         return compute + stalls
 
+    def plan_estimate(self, *, with_time: bool = False, note: str = "",
+                      details: dict[str, Any] | None = None) -> PlanEstimate:
+        """The figures a Plan records of this prediction.
+
+        Args:
+            with_time: Also record the step, baseline and stall seconds (plans
+                with offload, whose cost is time rather than compute).
+            note: How the plan was chosen.
+            details: The planner's own figures.
+        """
+        timing = {}
+        if with_time:
+            timing = {"step_seconds": self.step_seconds,
+                      "baseline_seconds": self.baseline_seconds,
+                      "stall_seconds": self.stall_seconds}
+        return PlanEstimate(peak_bytes=self.peak_bytes, overhead=self.overhead,
+                            extra_compute=self.extra_compute,
+                            host_peak_bytes=self.host_peak_bytes, note=note,
+                            details=dict(details or {}), **timing)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
@@ -103,7 +123,7 @@ class Estimate:
             "extra_compute": self.extra_compute,
             "extra_flops": self.extra_flops,
             "overhead": self.overhead,
-            "strategy": self.strategy,
+            "sharing": self.sharing,
             "host_peak_bytes": self.host_peak_bytes,
             "step_seconds": self.step_seconds,
             "baseline_seconds": self.baseline_seconds,
@@ -111,9 +131,9 @@ class Estimate:
         }
 
 
-def simulate(graph: PlanGraph, plan: Plan | None = None, *, strategy: str = "sharing",
-             bandwidth_gbps: float = BANDWIDTH_GBPS,
-             device_flops: float = DEVICE_FLOPS) -> Estimate:
+def simulate(graph: PlanGraph, plan: Plan | None = None, *, sharing: str = "sharing",
+             bandwidth_gbps: float = BANDWIDTH_GBPS, device_flops: float = DEVICE_FLOPS,
+             validate: bool = True) -> Estimate:
     """Predicts the device memory, host memory and time of one training step.
 
     Args:
@@ -121,33 +141,37 @@ def simulate(graph: PlanGraph, plan: Plan | None = None, *, strategy: str = "sha
         plan: Optional Plan; its recompute segments (nested ones included) and
             offloaded tensors are simulated. The plan must have been made for
             `graph`.
-        strategy: `"sharing"` (TensorFlow's behaviour, the default), `"inplace"`
+        sharing: `"sharing"` (TensorFlow's behaviour, the default), `"inplace"`
             or `"none"`; see the module docstring.
         bandwidth_gbps: Bandwidth of each copy stream (device to host, host to
             device) in GB/s (1e9 bytes per second).
         device_flops: FLOP/s of the device, for calls without measured times.
+        validate: Check the plan first (`tfremat.core.validate_plan`). Planners
+            simulating plans they have already checked pass False.
 
     Returns:
         An `Estimate`.
 
     Raises:
-        ValueError: unknown strategy, or segments that are not convex.
+        ValueError: unknown sharing mode.
         PlanMismatchError: the plan was made for another graph.
-        PlanValidationError: an offloaded tensor is unknown, or its prefetch
-            trigger has no backward step or runs after the tensor's first
-            backward reader.
+        PlanValidationError: the plan breaks a rule of `validate_plan`, or a
+            prefetch trigger has no backward step or runs after the tensor's
+            first backward reader.
 
     Example:
 
     >>> est = tfremat.simulate(graph, plan)
     >>> print(f"{est.peak_mb:.0f} MiB, +{est.overhead:.0%} time")
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"Unknown strategy {strategy!r}; choose one of {STRATEGIES}.")
+    if sharing not in SHARING_MODES:
+        raise ValueError(f"Unknown sharing mode {sharing!r}; choose one of {SHARING_MODES}.")
+    if plan is not None and validate:
+        validate_plan(plan, graph)
     schedule = build_schedule(graph, plan, device_flops=device_flops)
     keys, transfers = _transfers(schedule, plan.offloaded if plan is not None else [])
     timing = run_timeline(schedule.seconds, transfers, bandwidth_gbps * 1e9)
-    return _estimate(schedule, strategy, keys, transfers, timing)
+    return _estimate(schedule, sharing, keys, transfers, timing)
 
 
 def _transfers(schedule: Schedule, offloaded: list[Offload]
@@ -183,7 +207,7 @@ def _transfers(schedule: Schedule, offloaded: list[Offload]
     return keys, transfers
 
 
-def _estimate(schedule: Schedule, strategy: str, keys: list[Key],
+def _estimate(schedule: Schedule, sharing: str, keys: list[Key],
               transfers: list[Transfer], timing: Timing) -> Estimate:
     """Device memory per step, with the offloaded buffers' shortened lives."""
     ends: dict[Key, int] = {}
@@ -194,7 +218,7 @@ def _estimate(schedule: Schedule, strategy: str, keys: list[Key],
             extra.append((tr.trigger, schedule.last_use[key], tr.nbytes))
     n = len(schedule.labels)
     delta = [0] * (n + 1)
-    keep_all = strategy != "sharing"
+    keep_all = sharing != "sharing"
     size = schedule.size
     buffers = [(start, ends.get(key, schedule.last_use[key]), size[key])
                for key, start in schedule.alloc_step.items()]
@@ -204,7 +228,7 @@ def _estimate(schedule: Schedule, strategy: str, keys: list[Key],
         delta[start] += nbytes
         if not keep_all:
             delta[min(last, n - 1) + 1] -= nbytes
-    if strategy != "none":
+    if sharing != "none":
         for step, out_key, in_key in schedule.inplace:
             if (in_key in ends or schedule.last_use.get(in_key) != step
                     or not size.get(in_key)):
@@ -240,7 +264,7 @@ def _estimate(schedule: Schedule, strategy: str, keys: list[Key],
         base_compute=base,
         extra_compute=schedule.extra_compute,
         extra_flops=schedule.extra_flops,
-        strategy=strategy,
+        sharing=sharing,
         host_peak_bytes=timing.host_peak_bytes,
         step_seconds=timing.makespan,
         baseline_seconds=schedule.baseline_seconds,

@@ -1,0 +1,158 @@
+"""After a fit with the Planner ends in any way, the model is the user's again.
+
+Each test interrupts a planned fit (an error inside a step, an error or Ctrl-C
+between steps, Ctrl-C inside a step) and then checks that `predict`,
+`evaluate`, a plain `fit` and `save` behave exactly as on a twin model that
+never saw the callback, starting from the same weights.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat.rewriter import PlanInstallation
+
+BATCH = 8
+
+
+class AssertFinite(keras.layers.Layer):
+    """Raises inside the step when a batch holds a NaN (an error in step k)."""
+
+    def call(self, x):
+        return tf.debugging.assert_all_finite(x, "the batch holds a NaN")
+
+
+def make_model() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    inp = keras.Input((16, 16, 3))
+    x = AssertFinite(name="check")(inp)
+    for i in range(4):
+        x = keras.layers.Conv2D(16, 3, padding="same", name=f"conv{i}")(x)
+        x = keras.layers.BatchNormalization(name=f"bn{i}")(x)
+        x = keras.layers.ReLU(name=f"relu{i}")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    model = keras.Model(inp, keras.layers.Dense(4, name="head")(x), name="small")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def data(steps: int = 4):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((BATCH * steps, 16, 16, 3)).astype("float32"),
+            rng.standard_normal((BATCH * steps, 4)).astype("float32"))
+
+
+@pytest.fixture(scope="module")
+def budget_mb():
+    """A budget the plain step exceeds, so that the plan is not empty."""
+    model = make_model()
+    graph = tfremat.extract(model, batch_size=BATCH)
+    return tfremat.simulate(graph).peak_mb * 0.85
+
+
+class RaiseAt(keras.callbacks.Callback):
+    def __init__(self, batch: int, error: BaseException) -> None:
+        super().__init__()
+        self.batch, self.error = batch, error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            raise self.error
+
+
+def assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path):
+    assert "call" not in vars(model)
+    twin = make_model()
+    twin.set_weights(model.get_weights())
+    x, y = data(2)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), twin.predict(x, verbose=0))
+    assert model.evaluate(x, y, verbose=0) == twin.evaluate(x, y, verbose=0)
+    # A plain fit runs the plain step (no plan installed, nothing rewritten).
+    runs = []
+    original_run = PlanInstallation.run
+    PlanInstallation.run = lambda self, it: runs.append(1) or original_run(self, it)
+    try:
+        hist = model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+    finally:
+        PlanInstallation.run = original_run
+    twin_hist = twin.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+    assert runs == []
+    assert hist.history["loss"] == twin_hist.history["loss"]
+    for a, b in zip(model.get_weights(), twin.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    model.save(tmp_path / "after.keras")
+    loaded = keras.models.load_model(tmp_path / "after.keras",
+                                     custom_objects={"AssertFinite": AssertFinite})
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_an_error_inside_a_later_step(budget_mb, tmp_path):
+    x, y = data()
+    x[2 * BATCH] = np.nan  # the third step raises inside the train function
+    model = make_model()
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="holds a NaN"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[planner])
+    assert not planner.plan.is_empty
+    assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
+
+
+def test_an_error_between_steps(budget_mb, tmp_path):
+    x, y = data()
+    model = make_model()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[
+            tfremat.Planner(budget_mb, verbose=0), RaiseAt(1, RuntimeError("boom"))])
+    assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
+
+
+def test_ctrl_c_between_steps(budget_mb, tmp_path):
+    x, y = data()
+    model = make_model()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[
+            tfremat.Planner(budget_mb, verbose=0), RaiseAt(1, KeyboardInterrupt())])
+    assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
+
+
+def test_ctrl_c_inside_a_step(budget_mb, tmp_path, monkeypatch):
+    x, y = data()
+    model = make_model()
+    calls = []
+    original_run = PlanInstallation.run
+
+    def interrupted_second_step(self, iterator):
+        calls.append(1)
+        out = original_run(self, iterator)
+        if len(calls) == 2:  # as if SIGINT arrived while the step ran
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(PlanInstallation, "run", interrupted_second_step)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False,
+                  callbacks=[tfremat.Planner(budget_mb, verbose=0)])
+    monkeypatch.setattr(PlanInstallation, "run", original_run)
+    assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
+
+
+def test_a_second_fit_with_a_new_planner_after_an_interrupted_one(budget_mb):
+    x, y = data()
+    model = make_model()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+            tfremat.Planner(budget_mb, verbose=0), RaiseAt(0, KeyboardInterrupt())])
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    hist = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[planner])
+    assert not planner.plan.is_empty and len(hist.history["peak_memory_mb"]) == 2
+
+
+def test_two_planners_in_one_fit_are_refused(budget_mb):
+    x, y = data(1)
+    model = make_model()
+    with pytest.raises(ValueError, match="Two tfremat.Planner callbacks in one fit"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+            tfremat.Planner(budget_mb, verbose=0), tfremat.Planner(budget_mb, verbose=0)])
+    assert model.fit(x, y, batch_size=BATCH, verbose=0).history["loss"]

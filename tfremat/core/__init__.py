@@ -1,0 +1,22 @@
+"""The ground floor: tfremat's data and its rules, with no TensorFlow.
+
+`PlanGraph` (one `Node` per layer call, its `TensorInfo` outputs), `Plan`
+(recompute `Segment`s, `Offload`s, a `PlanEstimate`), the rules a plan must
+follow on its graph (`validate_plan`), their JSON, and tfremat's errors.
+Nothing here imports another part of tfremat; every other part builds on it.
+"""
+
+from tfremat.core.errors import (MIB, BackendError, BudgetError, PlanMismatchError,
+                                 PlanValidationError, TfrematError, UnsupportedModelError)
+from tfremat.core.graph import (Node, PlanGraph, TensorInfo, dtype_size, split_ref,
+                                structure_fingerprint)
+from tfremat.core.plan import Offload, Plan, PlanEstimate, PlanViews, Segment, set_plan_views
+from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
+
+__all__ = [
+    "MIB", "BackendError", "BudgetError", "Node", "Offload", "Plan", "PlanEstimate",
+    "PlanGraph", "PlanMismatchError", "PlanValidationError", "PlanViews", "Segment",
+    "TensorInfo", "TfrematError", "UnsupportedModelError", "dtype_size", "is_convex",
+    "set_plan_views", "shared_layer_groups", "split_ref", "structure_fingerprint",
+    "validate_plan",
+]

@@ -1,0 +1,82 @@
+"""Errors raised by tfremat. Each message says what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+#: Bytes in a MiB: budgets are given in MiB (2**20 bytes).
+MIB = 2**20
+
+
+class TfrematError(Exception):
+    """Base class of tfremat's errors."""
+
+
+class BackendError(TfrematError, RuntimeError):
+    """TensorFlow is missing or Keras runs on another backend."""
+
+
+class UnsupportedModelError(TfrematError, ValueError):
+    """The model cannot be traced or rewritten (unbuilt, unsupported kind)."""
+
+
+class PlanValidationError(TfrematError, ValueError):
+    """A plan is malformed for its graph (unknown ids, non-convex segments...)."""
+
+
+class PlanMismatchError(PlanValidationError):
+    """A plan was made for another graph."""
+
+
+class BudgetError(TfrematError, ValueError):
+    """The memory budget cannot be met.
+
+    Args:
+        budget_bytes: The budget asked for, in bytes (None: no budget given).
+        min_budget_bytes: The smallest budget the planner can meet, in bytes:
+            the lowest peak the simulator predicts for any plan it tried.
+        planner: The planner that was asked.
+        detail: More text for the message (what was tried, what to do).
+
+    Attributes:
+        budget_bytes: As given.
+        min_budget_bytes: As given.
+        planner: As given.
+        detail: As given.
+        budget_mb: `budget_bytes` in MiB (0 when None).
+        min_budget_mb: `min_budget_bytes` in MiB.
+
+    Example:
+
+    ```python
+    try:
+        plan = tfremat.plan(model, budget_mb=100, batch_size=32)
+    except tfremat.BudgetError as e:
+        plan = tfremat.plan(model, budget_mb=e.min_budget_mb, batch_size=32)
+    ```
+    """
+
+    def __init__(self, budget_bytes: int | None, min_budget_bytes: int, planner: str,
+                 detail: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.min_budget_bytes = int(min_budget_bytes)
+        self.planner = planner
+        self.detail = detail
+        message = (
+            f"A budget of {self.budget_mb:.1f} MiB cannot be met by planner {planner!r}: "
+            f"the smallest feasible budget is {self.min_budget_mb:.1f} MiB "
+            f"({self.min_budget_bytes} bytes)."
+        )
+        if detail:
+            message += " " + detail
+        super().__init__(message)
+
+    @property
+    def budget_mb(self) -> float:
+        return (self.budget_bytes or 0) / MIB
+
+    @property
+    def min_budget_mb(self) -> float:
+        return self.min_budget_bytes / MIB
+
+    def __reduce__(self) -> tuple:  # picklable with its arguments (subprocesses)
+        return (type(self), (self.budget_bytes, self.min_budget_bytes, self.planner,
+                             self.detail))

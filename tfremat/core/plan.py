@@ -1,0 +1,306 @@
+"""The Plan: what to recompute and what to offload, for one PlanGraph.
+
+No TensorFlow here: a Plan is data, made by planners, checked against its graph
+(`validation.py`), read by the simulator and the rewriter, written to JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Protocol
+
+from tfremat.core import jsonio
+from tfremat.core.errors import MIB, PlanMismatchError, PlanValidationError
+from tfremat.core.graph import PlanGraph
+from tfremat.core.validation import validate_plan
+
+PLAN_VERSION = 1
+
+
+@dataclasses.dataclass
+class Segment:
+    """A convex set of nodes run under recomputation as one unit.
+
+    Attributes:
+        nodes: Node ids of the segment, in the graph's topological order.
+        children: Segments nested inside this one (Chen et al. Sec. 4.4): while the
+            segment is recomputed in the backward pass, its children are
+            recomputed again rather than kept.
+    """
+
+    nodes: list[str]
+    children: list["Segment"] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nodes": list(self.nodes)}
+        if self.children:
+            out["children"] = [c.to_dict() for c in self.children]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Segment":
+        return cls(list(data["nodes"]),
+                   [cls.from_dict(c) for c in data.get("children", [])])
+
+
+@dataclasses.dataclass
+class Offload:
+    """An activation kept on the host between its forward and backward use.
+
+    Attributes:
+        tensor: Reference `"node_id:index"` of the offloaded tensor.
+        prefetch_after: Id of the node whose gradient triggers the copy back.
+    """
+
+    tensor: str
+    prefetch_after: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "prefetch_after": self.prefetch_after}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEstimate:
+    """What the simulator predicts for a plan, as the planner recorded it.
+
+    Attributes:
+        peak_bytes: Predicted device peak of a training step, persistent bytes
+            (weights, optimizer slots, batch) included.
+        overhead: Extra compute (and copy stalls) as a fraction of a step.
+        extra_compute: Cost of the recomputed forward calls (seconds when the
+            graph has measured times, FLOPs otherwise).
+        host_peak_bytes: Predicted host memory of offloaded tensors.
+        step_seconds: Predicted step time, for plans with offload.
+        baseline_seconds: Predicted step time without a plan, likewise.
+        stall_seconds: Time compute waits for copies back, likewise.
+        note: How the plan was chosen (planner "auto" says what it tried).
+        details: The planner's own figures, e.g. the DP's Eq. (2) peak
+            (`"model_peak_bytes"`) or whether segments were nested
+            (`"refined"`).
+    """
+
+    peak_bytes: int
+    overhead: float = 0.0
+    extra_compute: float = 0.0
+    host_peak_bytes: int = 0
+    step_seconds: float | None = None
+    baseline_seconds: float | None = None
+    stall_seconds: float | None = None
+    note: str = ""
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak_bytes / MIB
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "details" and getattr(self, f.name) not in (None, "")}
+        return {**out, **self.details}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PlanEstimate":
+        """Reads the flat dict `to_dict` writes (and tfremat 0.1 wrote)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"details"}
+        if "peak_bytes" not in data:
+            raise PlanValidationError("The plan's estimates have no 'peak_bytes'.")
+        known = {k: v for k, v in data.items() if k in names}
+        return cls(**known, details={k: v for k, v in data.items() if k not in names})
+
+
+class PlanViews(Protocol):
+    """The pictures and text of a plan (`tfremat.export` provides them)."""
+
+    def summary(self, graph: PlanGraph, plan: "Plan") -> str: ...
+
+    def to_pydot(self, graph: PlanGraph, plan: "Plan", **kwargs: Any) -> Any: ...
+
+
+_views: PlanViews | None = None
+
+
+def set_plan_views(views: PlanViews) -> None:
+    """Registers what `Plan.summary` and `Plan.to_pydot` draw with.
+
+    `tfremat.export` registers itself when imported (`import tfremat` does), so
+    this floor never imports the floors above it.
+    """
+    global _views
+    _views = views
+
+
+@dataclasses.dataclass
+class Plan:
+    """A memory plan for one training step of one model.
+
+    Attributes:
+        graph_fingerprint: `PlanGraph.fingerprint()` of the graph planned for.
+        budget_bytes: The device budget the plan was made for (None: no budget).
+        planner: Name of the planner that made it.
+        settings: The planner's settings.
+        segments: Top-level recompute segments (disjoint).
+        offloaded: Offloaded tensors.
+        estimates: The planner's prediction (None for a plan made by hand).
+        graph: The PlanGraph planned for, when known (set by `tfremat.plan`;
+            not serialised: a plan read from JSON has none).
+
+    Example:
+
+    ```python
+    plan = tfremat.plan(model, budget_mb=6000, batch_size=64)
+    plan.summary()
+    print(plan.estimates.peak_mb)
+    plan.to_json("plan.json"); same = tfremat.Plan.from_json("plan.json")
+    ```
+    """
+
+    graph_fingerprint: str
+    budget_bytes: int | None = None
+    planner: str = "manual"
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    segments: list[Segment] = dataclasses.field(default_factory=list)
+    offloaded: list[Offload] = dataclasses.field(default_factory=list)
+    estimates: PlanEstimate | None = None
+    graph: PlanGraph | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_segments(cls, graph: PlanGraph, segments: list[list[str]] | list[Segment],
+                      **kwargs: Any) -> "Plan":
+        """Makes a plan for `graph` from lists of node ids (or Segments)."""
+        segs = [s if isinstance(s, Segment) else Segment(list(s)) for s in segments]
+        return cls(graph_fingerprint=graph.fingerprint(), segments=segs, **kwargs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.segments and not self.offloaded
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted device peak.
+
+        Raises:
+            ValueError: the plan carries no estimates (made by hand).
+        """
+        if self.estimates is None:
+            raise ValueError("This plan carries no estimates (it was made by hand): "
+                             "use tfremat.simulate(graph, plan).peak_bytes.")
+        return self.estimates.peak_bytes
+
+    def recomputed_nodes(self) -> set[str]:
+        """Ids of all nodes inside a top-level segment."""
+        return {n for s in self.segments for n in s.nodes}
+
+    # -- presentation ----------------------------------------------------
+
+    def graph_or(self, graph: PlanGraph | None) -> PlanGraph:
+        """`graph` when given, else the graph the plan carries.
+
+        Raises:
+            ValueError: neither is there.
+        """
+        graph = graph if graph is not None else self.graph
+        if graph is None:
+            raise ValueError("This plan carries no PlanGraph (it was read from JSON or "
+                             "built by hand): pass graph=tfremat.extract(model, ...).")
+        return graph
+
+    def summary(self, graph: PlanGraph | None = None,
+                print_fn: Callable[[str], Any] | None = None) -> None:
+        """Prints segments, offloads and estimates, like `model.summary()`.
+
+        Args:
+            graph: The PlanGraph, when the plan does not carry one.
+            print_fn: Function printing the text (default `print`).
+        """
+        (print_fn or print)(_require_views().summary(self.graph_or(graph), self))
+
+    def to_pydot(self, graph: PlanGraph | None = None, **kwargs: Any) -> Any:
+        """The layer graph as a `pydot.Dot` coloured by this plan (see
+        `tfremat.export.to_pydot` for the keyword arguments)."""
+        return _require_views().to_pydot(self.graph_or(graph), self, **kwargs)
+
+    # -- checks ----------------------------------------------------------
+
+    def check_graph(self, graph: PlanGraph) -> None:
+        """Raises `PlanMismatchError` unless the plan was made for `graph`."""
+        if self.graph_fingerprint != graph.fingerprint():
+            raise PlanMismatchError(
+                f"This plan was made for graph {self.graph_fingerprint}, not for "
+                f"{graph.name!r} (fingerprint {graph.fingerprint()}): the model's layers "
+                "or their connections differ. Plan again for this model.")
+
+    def validate(self, graph: PlanGraph) -> None:
+        """Checks the plan against `graph` (see `tfremat.core.validate_plan`).
+
+        Raises:
+            PlanMismatchError: the plan names another graph.
+            PlanValidationError: the plan is malformed for this graph.
+        """
+        validate_plan(self, graph)
+
+    # -- JSON --------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PLAN_VERSION,
+            "graph_fingerprint": self.graph_fingerprint,
+            "budget_bytes": self.budget_bytes,
+            "planner": self.planner,
+            "settings": self.settings,
+            "segments": [s.to_dict() for s in self.segments],
+            "offloaded": [o.to_dict() for o in self.offloaded],
+            "estimates": self.estimates.to_dict() if self.estimates else {},
+        }
+
+    def to_json(self, path: str | os.PathLike | None = None, *,
+                indent: int | None = 2) -> str:
+        """Serialises the plan, also writing it to `path` if given."""
+        return jsonio.dumps(self.to_dict(), path, indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Reads what `to_dict` writes.
+
+        Raises:
+            PlanValidationError: another version, or a field missing or malformed.
+        """
+        if data.get("version") != PLAN_VERSION:
+            raise PlanValidationError(
+                f"Plan version {data.get('version')!r} is not supported "
+                f"(this tfremat reads version {PLAN_VERSION}).")
+        if not isinstance(data.get("graph_fingerprint"), str):
+            raise PlanValidationError(
+                "The plan has no 'graph_fingerprint': it does not say which model "
+                "it was made for.")
+        try:
+            estimates = data.get("estimates") or None
+            return cls(
+                graph_fingerprint=data["graph_fingerprint"],
+                budget_bytes=data.get("budget_bytes"),
+                planner=data.get("planner", "manual"),
+                settings=dict(data.get("settings", {})),
+                segments=[Segment.from_dict(s) for s in data.get("segments", [])],
+                offloaded=[Offload(**o) for o in data.get("offloaded", [])],
+                estimates=PlanEstimate.from_dict(estimates) if estimates else None,
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise PlanValidationError(f"The plan's segments or offloads are malformed "
+                                      f"({type(e).__name__}: {e}).") from None
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike) -> "Plan":
+        """Reads a plan from JSON text or a JSON file.
+
+        Raises:
+            ValueError: neither an existing file nor JSON text.
+            PlanValidationError: the JSON is not a plan this tfremat reads.
+        """
+        return cls.from_dict(jsonio.loads(text_or_path, "plan"))
+
+
+def _require_views() -> PlanViews:
+    if _views is None:  # only when tfremat.core is used without `import tfremat`
+        raise RuntimeError("Plan pictures and summaries come from tfremat.export: "
+                           "import tfremat first.")
+    return _views

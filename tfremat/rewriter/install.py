@@ -1,0 +1,109 @@
+"""`PlanInstallation`: train a model with a plan, undoably.
+
+`rewrite_model` makes a new model. Inside `fit`, the model object must stay the
+user's (its optimizer, metrics, callbacks and History belong to it), so a plan
+is installed instead: the model's train function is replaced by one whose step
+runs the rewritten graph, and the original comes back on `restore()`.
+
+The model itself is touched only while a step runs: `model.call` is swapped for
+the rewritten model's `call` around each call of the train function (that is
+when TensorFlow traces it, also when it retraces for a smaller last batch) and
+swapped back in a `finally`. Between steps, `predict`, `evaluate` and `save`
+see the plain model, and an exception or Ctrl-C inside a step leaves nothing
+patched but the train function, which `restore()` puts back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import keras
+
+from tfremat.core import Plan
+from tfremat.rewriter.rewriting import rewrite_model
+
+
+class PlanInstallation:
+    """A plan applied to a compiled model's training step, undoably.
+
+    Args:
+        model: A compiled Keras model.
+        plan: A plan for `model` (an empty plan installs the plain step).
+        jit_compile: Whether the planned step runs under XLA; None keeps the
+            model's setting. A plan with host offload needs False (XLA ignores
+            device placement). The model's own `jit_compile` is not changed.
+
+    Example:
+
+    ```python
+    with PlanInstallation(model, plan) as installed:
+        logs = model.train_function(iterator)   # the planned step
+    # the model trains plainly again
+    ```
+    """
+
+    def __init__(self, model: keras.Model, plan: Plan, *,
+                 jit_compile: bool | None = None) -> None:
+        self.model = model
+        self.plan = plan
+        self.jit_compile = jit_compile
+        # Rewriting first: if it fails, nothing of the model was touched.
+        self._call = None if plan.is_empty else rewrite_model(model, plan).call
+        self._original: Callable[..., Any] | None = None
+        self._planned: Callable[..., Any] | None = None
+        self.installed = False
+
+    def install(self) -> None:
+        """Makes `model.train_function` run the planned step."""
+        if self.installed:
+            return
+        model = self.model
+        self._original = model.train_function
+        saved_jit = model.jit_compile
+        try:
+            if self.jit_compile is not None:
+                model.jit_compile = self.jit_compile
+            model.make_train_function(force=True)
+            self._planned = model.train_function
+        finally:
+            model.jit_compile = saved_jit
+        model.train_function = self.run
+        self.installed = True
+
+    def run(self, iterator: Any) -> Any:
+        """Runs the planned train function on `iterator` (what Keras's `fit`
+        calls once `install()` made it the model's train function)."""
+        with self._patched_call():
+            return self._planned(iterator)
+
+    def restore(self) -> None:
+        """Puts the model's own train function back (safe to call twice)."""
+        if not self.installed:
+            return
+        self.model.train_function = self._original
+        self._original = self._planned = None
+        self.installed = False
+
+    @contextlib.contextmanager
+    def _patched_call(self) -> Iterator[None]:
+        if self._call is None:
+            yield
+            return
+        own = vars(self.model)
+        before = own.get("call")  # an instance attribute the user set, if any
+        self.model.call = self._call
+        try:
+            yield
+        finally:
+            if before is None:
+                del self.model.call
+            else:
+                self.model.call = before
+
+    def __enter__(self) -> "PlanInstallation":
+        self.install()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.restore()
