@@ -184,7 +184,13 @@ class Planner(keras.callbacks.Callback):
                 break
             batches.append(nxt.get_value())
         batches = [self._global_batch(b) for b in batches]
-        self.graph = extract(model, sample=self._zeros_like_replica_batch(batches[0]))
+        sample = self._zeros_like_replica_batch(batches[0])
+        if not model.built:
+            # Without a distribution strategy, Keras's TensorFlow trainer builds an
+            # unbuilt model while tracing the first step; planning needs it built
+            # first, so build it as Keras does on its other backends.
+            model._symbolic_build(data_batch=sample)
+        self.graph = extract(model, sample=sample)
         self._install(self._plan(self.budget_mb))
         return self._iterator_of(batches)
 

@@ -233,17 +233,19 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     Raises:
         UnsupportedModelError: the model is not built, or cannot be traced.
     """
-    if not model.built:
+    # Keras's fit builds a subclassed model's layers (not the model's flag)
+    # before the first step: built means every layer has its variables.
+    layers = list(model._flatten_layers(include_self=False))
+    if not (model.built or (layers and all(layer.built for layer in layers))):
         raise UnsupportedModelError(
             f"Model {model.name!r} is not built. Call it on a batch, or build it with "
             "model.build(input_shape), before planning.")
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
     subclassed = is_subclassed(model)
     if subclassed:
-        units = list(model._flatten_layers(include_self=False, recursive=False))
-        if not units:
-            raise UnsupportedModelError(
-                f"Subclassed model {model.name!r} has no sublayers to plan over.")
+        # With no sublayers, the model's own call is the one unit: its step can
+        # be predicted (and found to fit), though nothing can be recomputed.
+        units = list(model._flatten_layers(include_self=False, recursive=False)) or [model]
         sites_by_op: dict[int, list[str]] = {id(u): [] for u in units}
         ops_of = {id(u): u for u in units}
         output_refs: list[str] = []

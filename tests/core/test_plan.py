@@ -1,0 +1,101 @@
+"""The Plan: typed estimates, JSON round trips, plans written by tfremat 0.1, errors."""
+
+import json
+import pathlib
+
+import pytest
+
+from tests.planners import graphs as G
+from tfremat import simulate
+from tfremat.core import (BudgetError, Plan, PlanEstimate, PlanGraph, PlanMismatchError,
+                          PlanValidationError, Segment)
+from tfremat.planners import make_plan
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def test_a_plan_written_by_0_1_still_loads_and_validates():
+    graph = PlanGraph.from_json(DATA / "graph_v0_1.json")
+    plan = Plan.from_json(DATA / "plan_v0_1.json")
+    plan.validate(graph)
+    raw = json.loads((DATA / "plan_v0_1.json").read_text())
+    assert isinstance(plan.estimates, PlanEstimate)
+    assert plan.peak_bytes == raw["estimates"]["peak_bytes"]
+    assert plan.estimates.overhead == raw["estimates"]["overhead"]
+    assert plan.estimates.details["model_peak_bytes"] == raw["estimates"]["model_peak_bytes"]
+    # The simulator still agrees with what 0.1 predicted for it.
+    assert simulate(graph, plan).peak_bytes == plan.peak_bytes
+    # Written again, it reads back the same.
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_estimates_are_typed_and_round_trip():
+    graph = G.unet_like(2)
+    plan = make_plan(graph, int(simulate(graph).peak_bytes * 0.7), "approx-dp")
+    assert plan.estimates.peak_mb == plan.peak_bytes / 2**20
+    again = Plan.from_json(plan.to_json())
+    assert again.estimates == plan.estimates and again == plan
+
+
+def test_a_hand_made_plan_has_no_estimates():
+    graph = G.chain(4)
+    plan = Plan.from_segments(graph, [[graph.nodes[1].id]])
+    assert plan.estimates is None
+    with pytest.raises(ValueError, match="no estimates"):
+        plan.peak_bytes
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("text, message", [
+    ("plan.jsn", "neither an existing file nor JSON text"),
+    ("{not json", "not valid JSON"),
+    ('{"version": 1, "segments": []', "not valid JSON"),
+    ('["a", "list"]', "holds a JSON list, not an object"),
+    ('"a string"', "holds a JSON str, not an object"),
+    ('{"version": 1}', "has no 'graph_fingerprint'"),
+    ('{"version": 7, "graph_fingerprint": "x"}', "Plan version 7 is not supported"),
+    ('{"version": 1, "graph_fingerprint": "x", "segments": [{"no": 1}]}', "malformed"),
+    ('{"version": 1, "graph_fingerprint": "x", "estimates": {"overhead": 1}}',
+     "no 'peak_bytes'"),
+])
+def test_bad_plan_json_says_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        Plan.from_json(text)
+
+
+def test_a_missing_file_is_not_read_as_json(tmp_path):
+    with pytest.raises(ValueError, match="neither an existing file nor JSON text"):
+        Plan.from_json(str(tmp_path / "nowhere.json"))
+
+
+def test_mismatch_names_the_structure_not_the_batch_size():
+    plan = Plan.from_segments(G.chain(4), [])
+    with pytest.raises(PlanMismatchError, match="layers or their connections differ"):
+        plan.validate(G.chain(5))
+
+
+def test_budget_error_carries_exact_bytes_and_pickles():
+    import pickle
+
+    err = BudgetError(10 * 2**20, 12_345_678, "auto", "Tried: a; b.")
+    assert err.min_budget_bytes == 12_345_678 and err.min_budget_mb == 12_345_678 / 2**20
+    assert "12345678 bytes" in str(err) and "Tried: a; b." in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err) and again.min_budget_bytes == err.min_budget_bytes
+
+
+@pytest.mark.parametrize("segments, message", [
+    ([["nope"]], "not in graph"),
+    ([[]], "empty"),
+])
+def test_invalid_plans_are_refused_by_simulate_and_summary(segments, message):
+    from tfremat import export
+
+    graph = G.chain(4)
+    plan = Plan(graph.fingerprint(), segments=[Segment(s) for s in segments])
+    with pytest.raises(PlanValidationError, match=message):
+        simulate(graph, plan)
+    with pytest.raises(PlanValidationError, match=message):
+        export.summary(graph, plan)
+    with pytest.raises(PlanValidationError, match=message):
+        export.to_pydot(graph, plan)

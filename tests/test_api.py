@@ -1,0 +1,60 @@
+"""tfremat.plan, tfremat.rewrite and the Planner check their arguments at the door."""
+
+import math
+
+import keras
+import pytest
+
+import tfremat
+
+
+def tiny() -> keras.Model:
+    inp = keras.Input((8,))
+    out = keras.layers.Dense(4, name="d2")(keras.layers.Dense(16, name="d1")(inp))
+    model = keras.Model(inp, out)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("budget, error, message", [
+    ("100", TypeError, "must be a number of MiB, got '100'"),
+    (None, TypeError, "must be a number of MiB"),
+    (True, TypeError, "must be a number of MiB"),
+    (math.nan, ValueError, "positive, finite"),
+    (math.inf, ValueError, "positive, finite"),
+    (-5, ValueError, "positive, finite"),
+    (0, ValueError, "positive, finite"),
+])
+def test_bad_budgets_are_refused_where_they_are_given(budget, error, message):
+    with pytest.raises(error, match=message):
+        tfremat.Planner(budget)
+    with pytest.raises(error, match=message):
+        tfremat.plan(tiny(), budget, batch_size=4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"planner": "chen-magic"}, "Unknown planner 'chen-magic'"),
+    ({"objective": "fast"}, "Unknown objective 'fast'"),
+    ({"offload": "yes"}, "offload must be True, False or 'auto'"),
+])
+def test_bad_names_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfremat.Planner(100, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        tfremat.plan(tiny(), 100, batch_size=4, **kwargs)
+
+
+def test_the_old_strategy_keyword_still_works_with_a_deprecation_warning():
+    model = tiny()
+    graph = tfremat.extract(model, batch_size=4)
+    with pytest.deprecated_call(match="now called `objective=`"):
+        plan = tfremat.plan(model, 100, graph=graph, strategy="memory")
+    assert plan.is_empty  # the step fits: nothing to plan
+    with pytest.deprecated_call():
+        planner = tfremat.Planner(100, strategy="memory")
+    assert planner.objective == "memory"
+
+
+def test_rewrite_refuses_what_is_not_a_plan():
+    with pytest.raises(TypeError, match="takes a tfremat.Plan, not dict"):
+        tfremat.rewrite(tiny(), {"segments": []})
