@@ -58,3 +58,8 @@ def test_the_old_strategy_keyword_still_works_with_a_deprecation_warning():
 def test_rewrite_refuses_what_is_not_a_plan():
     with pytest.raises(TypeError, match="takes a tfremat.Plan, not dict"):
         tfremat.rewrite(tiny(), {"segments": []})
+
+
+def test_a_picture_tfremat_cannot_write_is_refused_at_construction():
+    with pytest.raises(ValueError, match="use .dot, .png, .svg or .pdf"):
+        tfremat.Planner(100, export="plan.jpg")

@@ -145,7 +145,7 @@ def export_dot(plan: Plan, path: str | os.PathLike, *, graph: PlanGraph | None =
     >>> tfremat.export_dot(tfremat.plan(model, budget_mb=600, batch_size=32), "plan.png")
     """
     path = os.fspath(path)
-    fmt = _format_of(path)
+    fmt = picture_format(path)
     dot = to_pydot(plan.graph_or(graph), plan, **kwargs)
     if fmt in ("dot", "gv"):
         with open(path, "w") as f:
@@ -174,12 +174,12 @@ def write_picture(plan: Plan, path: str | os.PathLike, *,
         The path written.
     """
     path = os.fspath(path)
-    if _format_of(path) in ("dot", "gv") or has_graphviz():
+    if picture_format(path) in ("dot", "gv") or has_graphviz():
         return export_dot(plan, path, graph=graph)
     fallback = os.path.splitext(path)[0] + ".dot"
     export_dot(plan, fallback, graph=graph)
     warnings.warn(f"tfremat: wrote {fallback} instead of {path}: "
-                  + _NO_GRAPHVIZ.format(fmt=_format_of(path).upper()),
+                  + _NO_GRAPHVIZ.format(fmt=picture_format(path).upper()),
                   RuntimeWarning, stacklevel=2)
     return fallback
 
@@ -189,7 +189,12 @@ def has_graphviz() -> bool:
     return shutil.which("dot") is not None
 
 
-def _format_of(path: str) -> str:
+def picture_format(path: str) -> str:
+    """The format a picture path asks for (`"dot"`, `"png"`, ...).
+
+    Raises:
+        ValueError: an extension tfremat cannot write.
+    """
     fmt = os.path.splitext(path)[1].lstrip(".").lower()
     if fmt not in ("dot", "gv", "png", "svg", "pdf"):
         raise ValueError(f"Cannot export to {path!r}: use .dot, .png, .svg or .pdf.")

@@ -249,3 +249,12 @@ def test_a_subclassed_model_without_sublayers_trains_when_the_budget_fits():
     planner = tfremat.Planner(1000, verbose=0)
     hist = model.fit(x, y, batch_size=128, verbose=0, callbacks=[planner])
     assert planner.plan.is_empty and len(hist.history["peak_memory_mb"]) == 1
+
+
+def test_an_unwritable_picture_costs_a_warning_not_the_training(budget_mb, tmp_path):
+    x, y = data(2)
+    path = tmp_path / "no-such-folder" / "plan.dot"
+    with pytest.warns(RuntimeWarning, match="could not write the plan picture"):
+        hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
+            tfremat.Planner(budget_mb, verbose=0, export=str(path))])
+    assert len(hist.history["loss"]) == 2

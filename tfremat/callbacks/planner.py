@@ -12,7 +12,7 @@ from keras.src.utils import io_utils  # print_msg: Keras has no public equivalen
 
 from tfremat import api
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph
-from tfremat.export import summary, write_picture
+from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract
 from tfremat.memory import device_name
 from tfremat.rewriter import PlanInstallation
@@ -82,6 +82,8 @@ class Planner(keras.callbacks.Callback):
         self.objective = objective
         self.offload = offload
         self.verbose = verbose
+        if export is not None:
+            picture_format(export)  # an unknown extension is refused here, not mid-fit
         self.export = export
         self.log_memory = log_memory
         self.log_batches = log_batches
@@ -229,7 +231,11 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
         if self.export:
-            self.picture = write_picture(plan, self.export, graph=self.graph)
+            try:
+                self.picture = write_picture(plan, self.export, graph=self.graph)
+            except OSError as e:  # a picture must never cost the training run
+                warnings.warn(f"tfremat: could not write the plan picture {self.export}: "
+                              f"{e}", RuntimeWarning, stacklevel=2)
 
     def _global_batch(self, batch: Any) -> Any:
         """A batch as one tensor per leaf (replica parts joined, in order)."""

@@ -157,7 +157,7 @@ class _Search:
                 self.graph, seg.valid_segments(self.graph, blocks), planner=self.planner,
                 budget_bytes=self.budget_bytes, settings=self.settings,
                 details={"model_peak_bytes": result.peak, "model_overhead": result.overhead,
-                       "dp_budget_bytes": dp_budget})
+                         "dp_budget_bytes": dp_budget})
         return self.plans[key]
 
     def floor(self) -> DPResult:
