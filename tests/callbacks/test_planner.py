@@ -258,3 +258,17 @@ def test_an_unwritable_picture_costs_a_warning_not_the_training(budget_mb, tmp_p
         hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
             tfremat.Planner(budget_mb, verbose=0, export=str(path))])
     assert len(hist.history["loss"]) == 2
+
+
+def test_training_with_a_plan_is_bit_identical_to_plain_training(budget_mb):
+    """The first batch is replayed with fit's own element spec, so the train function
+    is traced once, as in a plain fit: no other kernels, no other rounding."""
+    x, y = data()
+    plain = make_model()
+    plain.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    model = make_model()
+    planner = tfremat.Planner(budget_mb, verbose=0, replan=False)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[planner])
+    assert not planner.plan.is_empty
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -179,6 +179,7 @@ class Planner(keras.callbacks.Callback):
         """
         model = self.model
         steps = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        static = _static_batch(iterator)
         batches = [iterator.get_next()]
         for _ in range(steps - 1):
             nxt = iterator.get_next_as_optional()
@@ -194,7 +195,7 @@ class Planner(keras.callbacks.Callback):
             model._symbolic_build(data_batch=sample)
         self.graph = extract(model, sample=sample)
         self._install(self._plan(self.budget_mb))
-        return self._iterator_of(batches)
+        return self._iterator_of(batches, static)
 
     def _plan(self, budget_mb: float, objective: str | None = None) -> Plan:
         return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
@@ -248,11 +249,17 @@ class Planner(keras.callbacks.Callback):
 
         return tf.nest.map_structure(join, batch)
 
-    def _iterator_of(self, batches: list[Any]) -> Any:
-        """An iterator giving `batches` again, distributed as fit's was."""
+    def _iterator_of(self, batches: list[Any], static: bool) -> Any:
+        """An iterator giving `batches` again, distributed as fit's was.
+
+        Its element spec is the one of fit's iterator (`static`: a known batch
+        dimension), so the train function is not traced again for it: a second
+        trace may compile other kernels and round differently.
+        """
         size = int(tf.nest.flatten(batches[0])[0].shape[0])
         joined = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *batches)
-        dataset = tf.data.Dataset.from_tensor_slices(joined).batch(size)
+        dataset = tf.data.Dataset.from_tensor_slices(joined).batch(size,
+                                                                   drop_remainder=static)
         strategy = self.model.distribute_strategy
         if strategy.num_replicas_in_sync > 1:
             dataset = strategy.experimental_distribute_dataset(dataset)
@@ -302,3 +309,12 @@ class Planner(keras.callbacks.Callback):
                 "exceeded. Lower the batch size or raise the budget.",
                 RuntimeWarning, stacklevel=2)
         self._install(plan)
+
+
+def _static_batch(iterator: Any) -> bool:
+    """Whether the batches of fit's iterator have a known batch dimension."""
+    spec = getattr(iterator, "element_spec", None)
+    if spec is None:
+        return False
+    shapes = [s.shape for s in tf.nest.flatten(spec) if isinstance(s, tf.TensorSpec)]
+    return bool(shapes) and all(s.rank and s[0] is not None for s in shapes)

@@ -1,0 +1,61 @@
+"""Everyday Keras setups train with the Planner under 70% of their plain peak.
+
+For each setup (tests/setups/models.py) a plain fit and a fit with
+`tfremat.Planner` run in fresh processes (tests/setups/run.py) from the same
+weights. The plan must not be empty, every epoch's measured peak must be within
+the budget (or the BudgetError's minimum, planned again, must be met), and the
+weights after two epochs must equal the plain fit's: global relative error
+<= 1e-6 with SGD, <= 1e-3 with Adam (Adam turns float noise in a ~zero gradient,
+e.g. of a conv bias before BatchNorm, into a learning-rate-sized step).
+Recomputed segments change the order of float operations, so the rewritten step
+is not bit-identical to the plain one; it differs by float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.setups.models import ADAM, SETUPS
+
+ROOT = pathlib.Path(__file__).parent.parent.parent
+FRACTION = 0.7
+
+
+def run(name: str, mode: str, out: pathlib.Path, *budget: float) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.setups.run", name, mode, str(out), *map(str, budget)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out / f"{name}-{mode}.json").read_text())
+
+
+def weights(out: pathlib.Path, name: str, mode: str) -> list[np.ndarray]:
+    data = np.load(out / f"{name}-{mode}.npz")
+    return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def rel_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    x = np.concatenate([w.ravel() for w in a])
+    y = np.concatenate([w.ravel() for w in b])
+    return float(np.linalg.norm(x - y) / np.linalg.norm(x))
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_setup_trains_under_budget_like_a_plain_fit(name, tmp_path):
+    plain = run(name, "plain", tmp_path)
+    budget = FRACTION * max(plain["peaks_mb"])
+    planned = run(name, "planned", tmp_path, budget)
+    report = json.dumps({"plain": plain, "planned": planned}, indent=1)
+    assert planned["segments"] > 0, report
+    assert all(p <= planned["budget_mb"] for p in planned["peaks_mb"]), report
+    if "budget_error_min_mb" in planned:
+        assert planned["budget_error_min_mb"] > budget, report
+    tolerance = 1e-3 if name in ADAM else 1e-6
+    error = rel_error(weights(tmp_path, name, "plain"), weights(tmp_path, name, "planned"))
+    assert error <= tolerance, f"weights differ by {error:.2e}\n{report}"
