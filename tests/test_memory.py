@@ -1,7 +1,12 @@
 """Measured peaks: a real figure, and the model is not trained by measuring."""
 
+import logging
+import warnings
+
 import keras
 import numpy as np
+import pytest
+import tensorflow as tf
 
 import tfremat
 
@@ -51,8 +56,6 @@ def test_sparse_labels_are_inferred_with_the_measured_trace_only(monkeypatch):
 
 
 def test_synthetic_batches_count_in_the_allocator():
-    import tensorflow as tf
-
     from tfremat.memory import synthetic_batch
 
     tfremat.measure_peak(make_model(), batch_size=2)  # the allocator has stats now
@@ -64,3 +67,257 @@ def test_synthetic_batches_count_in_the_allocator():
         after = tf.config.experimental.get_memory_info("CPU:0")["current"]
         assert after - before >= batch.shape.num_elements() * 4
         del batch
+
+
+class Counter(keras.layers.Layer):
+    """Counts its training calls in a plain `tf.Variable` that Keras does not track."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = tf.Variable(0, dtype="int64", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.calls.assign_add(1)
+        return x
+
+
+def stateful_model() -> keras.Model:
+    """Weights, BatchNorm statistics, a dropout seed, an untracked counter; Adam;
+    a compiled metric. Nothing of its training state is built yet."""
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(32, 3, padding="same")(inp)
+    x = keras.layers.BatchNormalization()(x)
+    x = Counter(name="counter")(x)
+    x = keras.layers.Dropout(0.3)(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, keras.layers.Dense(4)(x))
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
+def data(n: int = 32):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, 16, 16, 3)).astype("float32"),
+            rng.normal(size=(n, 4)).astype("float32"))
+
+
+def all_variables(model: keras.Model) -> list:
+    """Every variable of the model's training: Keras's, the optimizer's, the
+    metrics' and the counter Keras does not see."""
+    counter = model.get_layer("counter").calls
+    assert all(v is not counter for v in model.variables)  # really untracked
+    return [*model.variables, *model.optimizer.variables,
+            *(v for m in model.metrics for v in m.variables), counter]
+
+
+def values(variables: list) -> list[bytes]:
+    return [np.asarray(v.numpy()).tobytes() for v in variables]
+
+
+def training_state(model: keras.Model) -> tuple:
+    """What a first fit builds, and the objects it builds on."""
+    return (model.optimizer, model.optimizer.built, model._compile_loss.built,
+            model._compile_metrics.built, [id(m) for m in model.metrics],
+            len(model.optimizer.variables))
+
+
+def test_every_variable_is_bit_identical_after_measuring_a_trained_model():
+    model = stateful_model()
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # slots, statistics, counter move
+    variables = all_variables(model)
+    before = values(variables)
+    assert int(model.get_layer("counter").calls.numpy()) > 0
+    for _ in range(2):
+        tfremat.measure_peak(model, batch_size=8)
+        assert values(all_variables(model)) == before
+
+
+def test_measuring_leaves_nothing_built_on_a_fresh_model():
+    model = stateful_model()
+    state, before = training_state(model), values(all_variables(model))
+    assert not any(state[1:4])
+    result = tfremat.measure_peak(model, batch_size=8, return_details=True)
+    assert training_state(model) == state
+    assert values(all_variables(model)) == before
+    assert result.step_bytes >= 8 * 16 * 16 * 32 * 4  # a real step was measured
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_two_measurements_then_fit_train_exactly_like_an_unmeasured_model(trained):
+    x, y = data()
+    histories, weights = [], []
+    for measure in (True, False):
+        model = stateful_model()
+        if trained:
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        if measure:
+            tfremat.measure_peak(model, batch_size=8)
+            tfremat.measure_peak(model, batch_size=16)
+        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+        histories.append(history.history)
+        weights.append(values(all_variables(model)))
+    assert histories[0] == histories[1]
+    assert weights[0] == weights[1]
+
+
+def multi_output_model(loss: str, metric: str) -> keras.Model:
+    inp = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same")(inp)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, [keras.layers.Dense(3, name="a")(x),
+                              keras.layers.Dense(5, name="b")(x)])
+    model.compile(optimizer="adam", loss={"a": loss, "b": loss},
+                  loss_weights={"a": 1.0, "b": 0.5}, metrics={"a": [metric], "b": [metric]})
+    return model
+
+
+@pytest.mark.parametrize("loss, metric", [("mse", "mae"),
+                                          ("sparse_categorical_crossentropy", "accuracy")])
+def test_multi_output_model_compiled_with_a_loss_dict(loss, metric):
+    # Sparse labels are found on the second target spec tried: the first one's
+    # failed trace must leave nothing behind for it.
+    model = multi_output_model(loss, metric)
+    state = training_state(model)
+    result = tfremat.measure_peak(model, batch_size=8, return_details=True)
+    assert result.step_bytes >= 8 * 32 * 32 * 16 * 4
+    assert training_state(model) == state
+    x = np.zeros((8, 32, 32, 3), "float32")
+    labels = ({"a": np.zeros((8,)), "b": np.zeros((8,))} if loss != "mse" else
+              {"a": np.zeros((8, 3)), "b": np.zeros((8, 5))})
+    model.fit(x, labels, verbose=0)
+
+
+def test_fresh_model_with_metrics_measures_without_warnings(caplog):
+    model = make_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.WARNING):
+            tfremat.measure_peak(model, batch_size=8)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_unbuilt_model_is_refused_and_stays_unbuilt():
+    model = keras.Sequential([keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    sample = (np.ones((4, 8), "float32"), np.ones((4, 4), "float32"))
+    with pytest.raises(tfremat.UnsupportedModelError, match="not built"):
+        tfremat.measure_peak(model, sample=sample)
+    assert not model.built and not model.optimizer.built
+
+
+class FailsOnSecondCall(keras.layers.Layer):
+    """Raises at run time in the second training step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = tf.Variable(0, dtype="int64", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.calls.assign_add(1)
+            tf.debugging.assert_less(self.calls, tf.constant(2, "int64"))
+        return x
+
+
+def test_a_step_that_raises_restores_everything():
+    model = stateful_model()
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    inp = keras.Input((16, 16, 3))
+    failing = keras.Model(inp, FailsOnSecondCall()(model(inp)))
+    failing.compile(optimizer=model.optimizer, loss="mse")
+    before = values(all_variables(model))
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tfremat.measure_peak(failing, batch_size=8)
+    assert int(failing.layers[-1].calls.numpy()) == 0
+    assert values(all_variables(model)) == before
+
+
+def test_an_interrupted_measurement_restores_everything(monkeypatch):
+    model = stateful_model()
+    state, before = training_state(model), values(all_variables(model))
+
+    def interrupt(device):  # after the warm-up step has run
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        tfremat.measure_peak(model, batch_size=8)
+    assert training_state(model) == state
+    assert values(all_variables(model)) == before
+
+
+def test_a_step_creating_variables_is_refused():
+    class LazyState(keras.layers.Layer):
+        state = None
+
+        def call(self, x, training=None):
+            if training and self.state is None:
+                self.state = tf.Variable(0.0, trainable=False)
+            return x
+
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(2)(LazyState()(inp)))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tfremat.UnsupportedModelError, match="creates a variable"):
+        tfremat.measure_peak(model, batch_size=4)
+    assert model.layers[1].state is None
+
+
+def test_variables_used_through_raw_handles_are_refused_before_running():
+    hidden = tf.Variable(1.0)
+
+    class RawBump(keras.layers.Layer):
+        def call(self, x):
+            tf.raw_ops.AssignAddVariableOp(resource=hidden.handle, value=1.0)
+            return x
+
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(2)(RawBump()(inp)))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tfremat.UnsupportedModelError, match="raw handles"):
+        tfremat.measure_peak(model, batch_size=4)
+    assert float(hidden.numpy()) == 1.0
+
+
+def test_rewritten_model_measures_lower_and_is_restored():
+    from tests.rewriter import rewrite_helpers as h
+    from tfremat.rewriter import rewrite_model
+
+    keras.utils.set_random_seed(11)
+    model = h.deep_mlp(depth=24, width=1024)
+    model.compile(optimizer="sgd", loss="mse")
+    rewritten = rewrite_model(model, h.plan_for(model, h.sqrt_segments(model)))
+    rewritten.compile(optimizer="adam", loss="mse")
+    before = values([*rewritten.variables, *rewritten.optimizer.variables])
+    plain = tfremat.measure_peak(model, batch_size=256, return_details=True)
+    smaller = tfremat.measure_peak(rewritten, batch_size=256, return_details=True)
+    assert smaller.step_bytes < 0.8 * plain.step_bytes, (plain, smaller)
+    assert values([*rewritten.variables, *rewritten.optimizer.variables]) == before
+    assert not rewritten.optimizer.built
+
+
+class ScaledSGD(keras.optimizers.SGD):
+    """An optimizer whose config does not say how to make it again."""
+
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+
+def test_an_unbuilt_optimizer_that_cannot_be_copied_is_refused_untouched():
+    model = make_model()
+    model.compile(optimizer=ScaledSGD(0.5), loss="mse")
+    with pytest.raises(tfremat.UnsupportedModelError, match="Build it first"):
+        tfremat.measure_peak(model, batch_size=8)
+    assert not model.optimizer.built
+    # What the message advises works, and the built state is restored exactly.
+    model.optimizer.build(model.trainable_variables)
+    before = values([*model.variables, *model.optimizer.variables])
+    tfremat.measure_peak(model, batch_size=8)
+    assert values([*model.variables, *model.optimizer.variables]) == before

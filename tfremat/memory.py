@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import require_tensorflow
-from tfremat.graph import (TRACE_ERRORS, batch_specs, step_function,
-                                 target_candidates, untraceable)
+from tfremat.core import UnsupportedModelError
+from tfremat.graph import (TRACE_ERRORS, batch_specs, step_function, target_candidates,
+                           untraceable)
 
 logger = logging.getLogger("tfremat")
 
@@ -102,33 +104,138 @@ def synthetic_batch(spec: Any, seed: int = 0) -> Any:
     return tf.nest.map_structure(make, spec)
 
 
-class _StateSnapshot:
-    """Values of a model's and its optimizer's variables, to undo measured steps."""
+def _require_built(model: keras.Model) -> None:
+    """Refuses a model with a layer that has not made its weights yet."""
+    unbuilt = [layer.name for layer in model._flatten_layers() if not layer.built]
+    if unbuilt:
+        raise UnsupportedModelError(
+            f"Model {model.name!r} is not built (unbuilt: {', '.join(unbuilt[:5])}). "
+            "measure_peak does not build models: call the model on a batch, or build "
+            "it with model.build(input_shape), first.")
 
-    def __init__(self, model: keras.Model) -> None:
-        optimizer = getattr(model, "optimizer", None)
-        variables = list(model.variables)
-        if optimizer is not None:
-            variables += list(optimizer.variables)
-        variables += [v for m in getattr(model, "metrics", []) for v in m.variables]
-        self.pairs = [(v, np.array(v.numpy())) for v in variables]
+
+def _fresh_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """An unbuilt copy of an unbuilt optimizer, made from its config."""
+    try:
+        return type(optimizer).from_config(optimizer.get_config())
+    except (TypeError, ValueError) as e:
+        raise UnsupportedModelError(
+            f"measure_peak could not copy the unbuilt optimizer {optimizer.name!r} from "
+            f"its config ({e}), and it does not build yours. Build it first with "
+            "model.optimizer.build(model.trainable_variables); measure_peak then "
+            "restores its state exactly.") from e
+
+
+@contextlib.contextmanager
+def _stand_ins(model: keras.Model) -> Iterator[bool]:
+    """Puts fresh, unbuilt copies in place of the model's unbuilt training state.
+
+    What the first training step (or `fit`) would build -- an unbuilt optimizer,
+    the compiled loss and metrics -- is copied, the copies are put on the model
+    for the measurement (as `compile` assigns them, without tracking), and the
+    originals go back on exit. The copies are built and measured; the originals
+    stay unbuilt. Built state is not copied: the step uses it and its variables
+    are restored afterwards. The copies are made as Keras 3's `compile` makes
+    them (from `_compile_loss` and `_compile_metrics`) and built by fit's own
+    `_symbolic_build`.
+
+    Yields:
+        Whether anything was replaced (and so needs building).
+    """
+    replacements: dict[str, Any] = {}
+    if getattr(model, "optimizer", None) is not None and model.compiled:
+        if not model.optimizer.built:
+            replacements["optimizer"] = _fresh_optimizer(model.optimizer)
+        loss = model._compile_loss
+        if loss is not None and not loss.built:
+            replacements["_compile_loss"] = type(loss)(
+                loss._user_loss, loss._user_loss_weights, reduction=loss.reduction,
+                output_names=loss.output_names)
+        metrics = model._compile_metrics
+        if metrics is not None and not metrics.built:
+            replacements["_compile_metrics"] = type(metrics)(
+                metrics._user_metrics, metrics._user_weighted_metrics,
+                output_names=metrics.output_names)
+    originals = {name: getattr(model, name) for name in replacements}
+    try:
+        for name, value in replacements.items():
+            object.__setattr__(model, name, value)  # bypasses Keras's and TF's tracking
+        yield bool(replacements)
+    finally:
+        for name, value in originals.items():
+            object.__setattr__(model, name, value)
+
+
+@contextlib.contextmanager
+def _creating_no_variables(model: keras.Model) -> Iterator[None]:
+    """Makes creating a variable an error: the step must find all its state built.
+
+    Raises:
+        UnsupportedModelError: something in the block created a variable
+            (whatever TensorFlow or Keras wrapped the refusal in on its way out).
+    """
+    refused: list[str] = []
+
+    def error() -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"The training step of {model.name!r} creates a variable ({refused[0]}) "
+            "when it runs, and measure_peak never builds anything on a model. Build "
+            "that state first (call the model on a batch, or train one step).")
+
+    def refuse(next_creator: Callable[..., tf.Variable], **kwargs: Any) -> tf.Variable:
+        refused.append(kwargs.get("name") or "unnamed")
+        raise error()
+
+    try:
+        with tf.variable_creator_scope(refuse):
+            yield
+    except Exception as e:
+        if refused and not isinstance(e, UnsupportedModelError):
+            raise error() from e
+        raise
+
+
+def _step_variables(model: keras.Model, concrete: Any) -> list[tf.Variable]:
+    """Every variable the traced step can read or write.
+
+    TensorFlow records each variable a function's graph accesses, whether Keras
+    tracks it or not (a plain `tf.Variable` on a layer counts). A captured
+    variable handle that no recorded variable owns (used through raw ops) could
+    not be restored, so it is refused before anything runs.
+    """
+    variables = {id(v): v for v in concrete.graph.variables}
+    owned = {id(v.handle) for v in variables.values()}
+    unknown = [h for h in concrete.captured_inputs
+               if h.dtype == tf.resource and id(h) not in owned
+               and bool(tf.raw_ops.VarIsInitializedOp(resource=h))]
+    if unknown:
+        raise UnsupportedModelError(
+            f"The training step of {model.name!r} uses {len(unknown)} variable(s) through "
+            "raw handles that TensorFlow does not record as accessed variables, so "
+            "measure_peak could not restore them; it ran nothing. Use the tf.Variable "
+            "itself (read_value/assign) in the step.")
+    return list(variables.values())
+
+
+class _Values:
+    """Exact copies (in host memory, outside TensorFlow's allocator) of variables."""
+
+    def __init__(self, variables: list[tf.Variable]) -> None:
+        self.pairs = [(v, np.array(v.numpy(), copy=True)) for v in variables]
 
     def restore(self) -> None:
         for v, value in self.pairs:
             v.assign(value)
 
 
-def _traceable_targets(model: keras.Model, step: Any, x_spec: Any) -> Any:
-    """The first of `target_candidates` the step traces with. The trace is the
-    one the measurement runs, so inferring the targets costs no extra trace."""
-    error: Exception | None = None
-    for y_spec in target_candidates(model, x_spec):
-        try:
-            step.get_concrete_function(x_spec, y_spec)
-            return y_spec
-        except TRACE_ERRORS as e:
-            error = e
-    raise untraceable(model, error) from error
+def _measure_traced(step: Any, concrete: Any, model: keras.Model, x: Any, y: Any,
+                    repeats: int) -> MeasuredPeak:
+    """Measures `step(x, y)` and gives back every variable it touched, even on error."""
+    values = _Values(_step_variables(model, concrete))
+    try:
+        return measure_step(lambda: step(x, y), repeats=repeats)
+    finally:
+        values.restore()
 
 
 def measure_peak(model: keras.Model, *, batch_size: int | None = None,
@@ -136,9 +243,16 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
                  return_details: bool = False) -> int | MeasuredPeak:
     """Runs training steps of `model` and returns the device's measured peak.
 
-    The model's weights, optimizer state and metrics are restored afterwards: the
-    measurement does not train the model. The device (`"GPU:0"` if present, else
-    `"CPU:0"`) is logged on the `"tfremat"` logger.
+    The measurement has no effect on the model: every variable the traced step
+    touches (weights, BatchNorm statistics, dropout seeds, optimizer slots and
+    iterations, metric variables, and `tf.Variable`s Keras does not track) is
+    restored bit for bit afterwards, also when a step raises or is interrupted.
+    Nothing is built or left behind either: an optimizer or compiled loss and
+    metrics that a first `fit` would build are replaced, for the measurement,
+    by fresh copies that are built and then dropped (the peak includes them, as
+    it would in `fit`), so a later `fit` trains exactly as if `measure_peak` had
+    never run. The device (`"GPU:0"` if present, else `"CPU:0"`) is logged on
+    the `"tfremat"` logger.
 
     Args:
         model: A built Keras model; compiled models run their own `train_step`.
@@ -151,22 +265,43 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     Returns:
         Peak bytes of the device during a step, or a `MeasuredPeak`.
 
+    Raises:
+        UnsupportedModelError: the model is not built; its step cannot be traced
+            with any target shape tried; or its step would create variables or
+            uses variables that could not be restored (then nothing ran).
+
     Example:
 
     >>> tfremat.measure_peak(model, batch_size=32) / 2**20   # MiB
     """
     require_tensorflow()
+    _require_built(model)
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
+    candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     jit = getattr(model, "jit_compile", False) is True
-    step = tf.function(step_function(model), jit_compile=jit)
-    if y_spec is None:
-        y_spec = _traceable_targets(model, step, x_spec)
-    x, y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
-    snapshot = _StateSnapshot(model)
-    try:
-        result = measure_step(lambda: step(x, y), repeats=repeats)
-    finally:
-        snapshot.restore()
+    x = synthetic_batch(x_spec, 1)
+    error: Exception | None = None
+    for y_spec in candidates:
+        y = synthetic_batch(y_spec, 2)
+        # Each target spec gets its own copies and tf.function: a failed trace
+        # leaves nothing half-built for the next one.
+        with _stand_ins(model) as replaced:
+            try:
+                if replaced:
+                    model._symbolic_build(data_batch=(x, y))  # as fit builds them
+                step = tf.function(step_function(model), jit_compile=jit)
+                with _creating_no_variables(model):
+                    concrete = step.get_concrete_function(x_spec, y_spec)
+            except UnsupportedModelError:
+                raise
+            except TRACE_ERRORS as e:
+                error = e
+                continue
+            with _creating_no_variables(model):
+                result = _measure_traced(step, concrete, model, x, y, repeats)
+        break
+    else:
+        raise untraceable(model, error) from error
     logger.info("Measured peak of %s on %s: %.1f MiB (the step added %.1f MiB).",
                 model.name, result.device, result.peak_mb, result.step_bytes / 2**20)
     return result if return_details else result.peak_bytes
