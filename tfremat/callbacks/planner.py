@@ -17,6 +17,7 @@ from tfremat.core import MIB, BudgetError, Plan, PlanGraph
 from tfremat.export import summary, write_picture
 from tfremat.graph import extract
 from tfremat.memory import device_name
+from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
 from tfremat.rewriter import PlanInstallation
 from tfremat.simulation import simulate
@@ -57,7 +58,8 @@ class Planner(keras.callbacks.Callback):
         offload: Whether `"auto"` may offload activations to host memory:
             True, False or `"auto"` (when a GPU exists). Offload runs the step
             outside XLA for this fit (a warning says so).
-        verbose: 1 prints the plan summary at the start of training.
+        verbose: 1 prints the plan summary at the start of training, and shows
+            what planning is doing when it takes more than two seconds.
         export: Path of a plan picture to write (`.png`, `.svg` or `.dot`).
             Without Graphviz, a `.dot` file is written instead, with a warning.
         plot: Path of the memory timeline image (`.png`, `.svg`, `.pdf`); needs
@@ -247,8 +249,14 @@ class Planner(keras.callbacks.Callback):
             # unbuilt model while tracing the first step; planning needs it built
             # first, so build it as Keras does on its other backends.
             model._symbolic_build(data_batch=sample)
-        self.graph = extract(model, sample=sample)
-        self._install(self._plan(self.budget_mb))
+        with progress(self.verbose) as track:
+            traced = track(f"tfremat: tracing a training step of {model.name}", 1) \
+                if track else None
+            self.graph = extract(model, sample=sample)
+            if traced:
+                traced(1)
+            plan = self._plan(self.budget_mb)
+        self._install(plan)
         return self._iterator_of(batches)
 
     def _plan(self, budget_mb: float, objective: str | None = None) -> Plan:
