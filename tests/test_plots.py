@@ -82,3 +82,9 @@ def test_an_empty_plan_draws_the_plain_step_and_the_budget():
     assert any(lb.startswith(plots.PLAIN_LABEL) for lb in labels)
     assert not any(lb.startswith(plots.PLANNED_LABEL) for lb in labels)
     assert any(lb.startswith(plots.BUDGET_LABEL) for lb in labels)
+
+
+def test_a_budget_given_replaces_the_plans_own():
+    g, plan = chain_plan()
+    fig = plots.memory_figure(g, plan, budget_mb=20.0)
+    assert list(line(fig, plots.BUDGET_LABEL).get_ydata()) == [20.0, 20.0]

@@ -52,7 +52,8 @@ def _measured_list(measured_mb: float | Sequence[float] | None) -> list[float]:
 
 
 def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
-                  measured_mb: float | Sequence[float] | None = None) -> "Figure":
+                  measured_mb: float | Sequence[float] | None = None,
+                  budget_mb: float | None = None) -> "Figure":
     """The memory timeline as a matplotlib `Figure` (not shown, not saved).
 
     The x axis is the simulator's schedule: the forward pass, the loss, the
@@ -66,6 +67,8 @@ def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
         plan: A Plan for `graph`, or None for the plain step only.
         measured_mb: Measured peaks in MiB (e.g. one per epoch), drawn as
             horizontal lines.
+        budget_mb: The budget line, in MiB; by default the plan's
+            `budget_bytes` (none without a plan).
 
     Returns:
         A `matplotlib.figure.Figure`; its lines carry the labels
@@ -90,9 +93,11 @@ def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
             label=f"{PLAIN_LABEL} (peak {plain.peak_mb:,.1f} MiB)")
     if planned is not None:
         _draw_plan(ax, plan, planned)
-    if plan is not None and plan.budget_bytes:
-        ax.axhline(plan.budget_bytes / MIB, color="#d62728", ls="--", lw=1.2,
-                   label=f"{BUDGET_LABEL} {plan.budget_bytes / MIB:,.1f} MiB")
+    if budget_mb is None and plan is not None and plan.budget_bytes:
+        budget_mb = plan.budget_bytes / MIB
+    if budget_mb is not None:
+        ax.axhline(budget_mb, color="#d62728", ls="--", lw=1.2,
+                   label=f"{BUDGET_LABEL} {budget_mb:,.1f} MiB")
     measured = _measured_list(measured_mb)
     for i, peak in enumerate(measured):
         label = (f"{MEASURED_LABEL} ({', '.join(f'{m:,.1f}' for m in measured)} MiB)"
@@ -143,7 +148,8 @@ def _draw_plan(ax: "Axes", plan: Plan, est: Estimate) -> None:
 
 
 def plot_memory(plan: Plan, path: str | os.PathLike, *, graph: PlanGraph | None = None,
-                measured_mb: float | Sequence[float] | None = None) -> str:
+                measured_mb: float | Sequence[float] | None = None,
+                budget_mb: float | None = None) -> str:
     """Writes the memory timeline of one training step to an image.
 
     Device memory over the step as the simulator predicts it, without the
@@ -158,6 +164,8 @@ def plot_memory(plan: Plan, path: str | os.PathLike, *, graph: PlanGraph | None 
             `.pdf`, ...).
         graph: The PlanGraph, when the plan does not carry one.
         measured_mb: Measured peaks in MiB (one number, or one per epoch).
+        budget_mb: The budget drawn, in MiB, when it is not the plan's own
+            (the `Planner` draws your budget, also after re-planning for less).
 
     Returns:
         `path`.
@@ -174,25 +182,29 @@ def plot_memory(plan: Plan, path: str | os.PathLike, *, graph: PlanGraph | None 
     ```
     """
     path = os.fspath(path)
-    fig = memory_figure(plan.graph_or(graph), plan, measured_mb=measured_mb)
+    fig = memory_figure(plan.graph_or(graph), plan, measured_mb=measured_mb,
+                        budget_mb=budget_mb)
     fig.savefig(path)
     return path
 
 
 def memory_png(graph: PlanGraph, plan: Plan | None = None, *,
-               measured_mb: float | Sequence[float] | None = None) -> bytes:
+               measured_mb: float | Sequence[float] | None = None,
+               budget_mb: float | None = None) -> bytes:
     """The memory timeline as PNG bytes (for TensorBoard and other sinks).
 
     Args:
         graph: The PlanGraph.
         plan: A Plan for `graph`, or None.
         measured_mb: Measured peaks in MiB.
+        budget_mb: The budget drawn, as for `memory_figure`.
 
     Returns:
         The encoded PNG.
     """
     buffer = io.BytesIO()
-    memory_figure(graph, plan, measured_mb=measured_mb).savefig(buffer, format="png")
+    memory_figure(graph, plan, measured_mb=measured_mb,
+                  budget_mb=budget_mb).savefig(buffer, format="png")
     return buffer.getvalue()
 
 

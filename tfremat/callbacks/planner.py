@@ -184,9 +184,11 @@ class Planner(keras.callbacks.Callback):
             logs["predicted_peak_mb"] = self.predicted_peak_mb
         if self.plot:
             self.timeline = plot_memory(self.plan, self.plot, graph=self.graph,
-                                        measured_mb=self.epoch_peaks_mb)
+                                        measured_mb=self.epoch_peaks_mb,
+                                        budget_mb=self.budget_mb)
         if self._summary_writer is not None:
-            png = memory_png(self.graph, self.plan, measured_mb=self.epoch_peaks_mb)
+            png = memory_png(self.graph, self.plan, measured_mb=self.epoch_peaks_mb,
+                             budget_mb=self.budget_mb)
             with self._summary_writer.as_default(step=epoch):
                 tf.summary.scalar("tfremat/peak_memory_mb", self.epoch_peaks_mb[-1])
                 tf.summary.scalar("tfremat/predicted_peak_mb", self.predicted_peak_mb)
@@ -296,7 +298,8 @@ class Planner(keras.callbacks.Callback):
         if self.export:
             self.picture = write_picture(plan, self.export, graph=self.graph)
         if self.plot:
-            self.timeline = plot_memory(plan, self.plot, graph=self.graph)
+            self.timeline = plot_memory(plan, self.plot, graph=self.graph,
+                                        budget_mb=self.budget_mb)
         if self._summary_writer is not None:
             text = summary(self.graph, plan) if not plan.is_empty else (
                 f"The step fits {self.budget_mb:.0f} MiB without rewriting.")
