@@ -27,6 +27,14 @@ class Segment:
         children: Segments nested inside this one (Chen et al. Sec. 4.4): while the
             segment is recomputed in the backward pass, its children are
             recomputed again rather than kept.
+
+    Example:
+
+    ```python
+    outer = tfremat.Segment(["conv1", "bn1", "relu1", "conv2"],
+                            children=[tfremat.Segment(["conv1", "bn1"])])
+    plan = tfremat.Plan.from_segments(graph, [outer])
+    ```
     """
 
     nodes: list[str]
@@ -51,6 +59,14 @@ class Offload:
     Attributes:
         tensor: Reference `"node_id:index"` of the offloaded tensor.
         prefetch_after: Id of the node whose gradient triggers the copy back.
+
+    Example:
+
+    ```python
+    plan = tfremat.Plan.from_segments(graph, [])
+    plan.offloaded = [tfremat.Offload("conv1_relu:0", prefetch_after="conv2_block1_add")]
+    print(tfremat.simulate(graph, plan).host_peak_bytes)
+    ```
     """
 
     tensor: str
@@ -78,6 +94,13 @@ class PlanEstimate:
         details: The planner's own figures, e.g. the DP's Eq. (2) peak
             (`"model_peak_bytes"`) or whether segments were nested
             (`"refined"`).
+
+    Example:
+
+    ```python
+    plan = tfremat.plan(model, budget_mb=200, batch_size=16)
+    print(plan.estimates.peak_mb, plan.estimates.overhead, plan.estimates.note)
+    ```
     """
 
     peak_bytes: int
