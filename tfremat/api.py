@@ -84,7 +84,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         time_limit: Seconds the exact DP may take before falling back.
         verbose: 1 shows what planning is doing (tracing, the planners "auto"
             tries, the DPs' progress) once it has taken more than two seconds;
-            2 leaves the display on screen.
+            2 shows it at once and leaves it on screen.
         graph: The model's PlanGraph, if already extracted.
         strategy: Deprecated name of `objective`.
 

@@ -29,3 +29,11 @@ def test_long_planning_shows_one_display_for_nested_calls():
         assert [t.description for t in bar.tasks] == [
             "planner auto: trying chen-sqrt", "approximate DP"]
     assert not bar.live.is_started and not _progress._shown
+
+
+def test_verbose_2_shows_at_once_and_stays():
+    with progress(2, delay=5.0) as track:
+        track("exact DP", 1)(1)
+        time.sleep(0.3)
+        bar = _progress._shown[-1]
+        assert bar.live.is_started and not bar.live.transient

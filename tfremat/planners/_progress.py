@@ -1,7 +1,8 @@
 """Progress display for long planning, with `rich` (no Keras import here).
 
-The display appears only once planning has taken `DELAY_SECONDS`, so quick plans
-print nothing. Nested calls (`tfremat.plan` tracing, then planner "auto", then a
+With `verbose=1` the display appears only once planning has taken
+`DELAY_SECONDS`, so quick plans print nothing; `verbose=2` shows it at once and
+leaves it on screen. Nested calls (`tfremat.plan` tracing, then planner "auto", then a
 DP) add their lines to the display already there rather than opening another.
 """
 
@@ -32,9 +33,10 @@ def progress(verbose: int, delay: float = DELAY_SECONDS) -> Iterator[Track | Non
     verbose, else None.
 
     Args:
-        verbose: 0 for silence; 1 for a `rich` progress display that disappears
-            when done; 2 or more to leave it on screen.
-        delay: Seconds before the display appears.
+        verbose: 0 for silence; 1 for a `rich` progress display that appears
+            after `delay` seconds and disappears when done; 2 or more to show it
+            at once and leave it on screen.
+        delay: Seconds before the display appears (`verbose=1`).
     """
     if not verbose:
         yield None
@@ -59,7 +61,10 @@ def progress(verbose: int, delay: float = DELAY_SECONDS) -> Iterator[Track | Non
     timer = threading.Timer(delay, show)
     timer.daemon = True
     _shown.append(bar)
-    timer.start()
+    if verbose >= 2:
+        show()
+    else:
+        timer.start()
     try:
         yield _tracker(bar)
     finally:
