@@ -24,3 +24,17 @@ def test_estimate_on_a_saved_model(tmp_path, capsys):
 def test_unknown_model_is_a_clear_error(capsys):
     assert cli.main(["estimate", "no-such-net"]) == 2
     assert "Unknown model 'no-such-net'" in capsys.readouterr().err
+
+
+def test_plan_writes_the_memory_timeline(tmp_path, capsys):
+    inp = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(x), name="tiny")
+    path = str(tmp_path / "tiny.keras")
+    model.save(path)
+    plot = tmp_path / "memory.png"
+    assert cli.main(["plan", path, "--budget-mb", "1000", "--batch-size", "4",
+                     "--plot", str(plot)]) == 0
+    assert f"Memory timeline written to {plot}" in capsys.readouterr().out.replace("\n", "")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

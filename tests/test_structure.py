@@ -7,7 +7,8 @@ The floors (docs/how-it-works.md, "A map of the code"):
     1  backend              is TensorFlow there, and does Keras run on it?
     2  graph, simulation    the TensorFlow front end; prediction (no TensorFlow)
     3  planners, memory     planning (no TensorFlow); measurement
-    4  rewriter, export     Plan -> Keras model; pictures and text
+    4  rewriter, export,    Plan -> Keras model; pictures and text;
+       plots                the memory timeline (matplotlib)
     5  api                  tfremat.plan, tfremat.rewrite
     6  callbacks            the Planner callback
     7  demo                 the demo's model and run
@@ -32,7 +33,7 @@ FLOORS = {
     "backend": 1,
     "graph": 2, "simulation": 2,
     "planners": 3, "memory": 3,
-    "rewriter": 4, "export": 4,
+    "rewriter": 4, "export": 4, "plots": 4,
     "api": 5,
     "callbacks": 6,
     "demo": 7,
@@ -40,7 +41,7 @@ FLOORS = {
 }
 
 #: Parts that must run without TensorFlow or Keras.
-FRAMEWORK_FREE = ("core", "simulation", "planners", "export")
+FRAMEWORK_FREE = ("core", "simulation", "planners", "export", "plots")
 
 
 def modules() -> list[str]:

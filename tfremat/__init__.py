@@ -18,6 +18,7 @@ from tfremat.core import (BackendError, BudgetError, Node, Offload, Plan, PlanEs
                           PlanGraph, PlanMismatchError, PlanValidationError, Segment,
                           TensorInfo, TfrematError, UnsupportedModelError)
 from tfremat.export import export_dot, summary
+from tfremat.plots import plot_memory
 from tfremat.simulation import Estimate, simulate
 
 __version__ = "0.1.0"
@@ -60,7 +61,7 @@ _register_keras_layers()
 __all__ = [
     "BackendError", "BudgetError", "Estimate", "Node", "Offload", "Plan", "PlanEstimate",
     "PlanGraph", "PlanMismatchError", "PlanValidationError", "Segment",
-    "TensorInfo", "TfrematError", "UnsupportedModelError", "export_dot", "simulate",
-    "summary",
+    "TensorInfo", "TfrematError", "UnsupportedModelError", "export_dot", "plot_memory",
+    "simulate", "summary",
     *_LAZY,
 ]

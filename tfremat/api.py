@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfremat.core import MIB, Plan, PlanGraph
 from tfremat.graph import extract
-from tfremat.planners import OBJECTIVES, PLANNERS, make_plan
+from tfremat.planners import OBJECTIVES, PLANNERS, make_plan, progress
 from tfremat.rewriter import rewrite_model
 
 logger = logging.getLogger("tfremat")
@@ -82,7 +82,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             recomputation alone cannot meet the budget: True, False, or `"auto"`
             (on when a GPU exists, so that there is a host to offload to).
         time_limit: Seconds the exact DP may take before falling back.
-        verbose: 1 to show progress of long searches.
+        verbose: 1 shows what planning is doing (tracing, the planners "auto"
+            tries, the DPs' progress) once it has taken more than two seconds;
+            2 shows it at once and leaves it on screen.
         graph: The model's PlanGraph, if already extracted.
         strategy: Deprecated name of `objective`.
 
@@ -102,13 +104,18 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     objective = deprecated_strategy(strategy, objective)
     budget_mb = check_budget_mb(budget_mb)
     check_planner(planner, objective, offload)
-    if graph is None:
-        graph = extract(model, batch_size=batch_size, sample=sample)
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     settings = {"offload": bool(offload)} if planner == "auto" else {}
-    result = make_plan(graph, int(budget_mb * MIB), planner=planner, objective=objective,
-                       time_limit=time_limit, verbose=verbose, **settings)
+    with progress(verbose) as track:
+        if graph is None:
+            traced = track(f"tracing a training step of {model.name}", 1) if track else None
+            graph = extract(model, batch_size=batch_size, sample=sample)
+            if traced:
+                traced(1)
+        result = make_plan(graph, int(budget_mb * MIB), planner=planner,
+                           objective=objective, time_limit=time_limit, verbose=verbose,
+                           **settings)
     result.graph = graph
     return result
 

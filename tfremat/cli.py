@@ -112,13 +112,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with console.status(f"Tracing a training step of {args.model} ..."):
         model = _prepare(args)
         graph = tfremat.extract(model, batch_size=args.batch_size)
-    with console.status(f"Planning with {args.planner} ..."):
-        plan = tfremat.plan(model, args.budget_mb, graph=graph, planner=args.planner,
-                            objective=args.objective)
+    plan = tfremat.plan(model, args.budget_mb, graph=graph, planner=args.planner,
+                        objective=args.objective, verbose=1)
     console.print(summary(graph, plan), highlight=False)
     if args.export:
         written = write_picture(plan, args.export, graph=graph)
         console.print(f"Plan picture written to {written}")
+    if args.plot:
+        tfremat.plot_memory(plan, args.plot, graph=graph)
+        console.print(f"Memory timeline written to {args.plot}")
     if args.json:
         plan.to_json(args.json)
         console.print(f"Plan written to {args.json}")
@@ -139,7 +141,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from tfremat.demo import run_demo
 
     result = run_demo(batch_size=args.batch_size, steps=args.steps, epochs=args.epochs,
-                      budget_fraction=args.budget_fraction, export=args.export)
+                      budget_fraction=args.budget_fraction, export=args.export,
+                      plot=args.plot or None)
     over = [p for p in result["peak_memory_mb"] if p > result["budget_mb"]]
     return 1 if over else 0
 
@@ -172,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--strategy", dest="objective", choices=("time", "memory"),
                     help=argparse.SUPPRESS)  # the old name of --objective
     pl.add_argument("--export", default=None, help="plan picture: .png, .svg or .dot")
+    pl.add_argument("--plot", default=None,
+                    help="memory timeline image (.png, .svg, .pdf): predicted memory over "
+                         "one step, without and with the plan; needs no Graphviz")
     pl.add_argument("--json", default=None, help="write the plan as JSON")
     pl.add_argument("--measure", action="store_true",
                     help="rewrite the model and measure its peak")
@@ -184,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget-fraction", type=float, default=0.6,
                       help="budget as a fraction of the measured plain peak")
     demo.add_argument("--export", default="tfremat_plan.png")
+    demo.add_argument("--plot", default="tfremat_memory.png",
+                      help="memory timeline image; '' for none")
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -65,7 +65,7 @@ def _seconds_per_step(model: keras.Model, x: np.ndarray, y: np.ndarray, batch_si
 
 def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
              budget_fraction: float = 0.6, export: str | None = "tfremat_plan.png",
-             verbose: int = 1) -> dict[str, Any]:
+             plot: str | None = "tfremat_memory.png", verbose: int = 1) -> dict[str, Any]:
     """Trains a ResNet-style model on synthetic data under a budget its plain
     step exceeds, and compares measured peaks and step times.
 
@@ -75,6 +75,8 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
         epochs: Epochs trained with the budget.
         budget_fraction: Budget as a fraction of the measured plain peak.
         export: Path of the plan picture, or None.
+        plot: Path of the memory timeline (predicted memory over one step,
+            without and with the plan, budget and measured peaks), or None.
         verbose: 1 prints the plan summary and results.
 
     Returns:
@@ -92,7 +94,7 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
         print(f"Plain training of {plain.name}, batch {batch_size}: measured peak "
               f"{plain_peak:.1f} MiB on {device_name()}. Budget: {budget_mb} MiB.")
     planned = _compiled(seed=1)
-    planner = Planner(budget_mb, verbose=verbose, export=export)
+    planner = Planner(budget_mb, verbose=verbose, export=export, plot=plot)
     timer = _StepTimer()
     history = planned.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                           callbacks=[planner, timer])
@@ -107,12 +109,15 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
         "loss": history.history["loss"],
         "step_time_ratio": t_planned / t_plain,
         "plan_picture": planner.picture,
+        "memory_timeline": planner.timeline,
     }
     if verbose:
         peaks = ", ".join(f"{p:.1f}" for p in result["peak_memory_mb"])
         print(f"\nMeasured peak per epoch with tfremat: {peaks} MiB (budget {budget_mb} MiB, "
               f"plain {plain_peak:.1f} MiB).")
         print(f"Step time: {result['step_time_ratio']:.2f}x the plain step.")
+        if planner.timeline:
+            print(f"Memory timeline: {planner.timeline}")
         if planner.picture:
             print(f"Plan picture: {planner.picture}")
     return result

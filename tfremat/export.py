@@ -204,9 +204,23 @@ def picture_format(path: str) -> str:
 def summary(graph: PlanGraph, plan: Plan) -> str:
     """A `model.summary()`-like text of a plan: segments, offloads, estimates.
 
+    Args:
+        graph: The PlanGraph.
+        plan: A Plan for `graph`.
+
+    Returns:
+        The text `Plan.summary()` prints.
+
     Raises:
         PlanMismatchError: the plan was made for another graph.
         PlanValidationError: the plan is malformed for `graph`.
+
+    Example:
+
+    ```python
+    plan = tfremat.plan(model, budget_mb=200, batch_size=16)
+    text = tfremat.summary(plan.graph, plan)   # plan.summary() prints the same
+    ```
     """
     plan.validate(graph)
     plain = simulate(graph)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -15,6 +17,8 @@ from tfremat.core import MIB, BudgetError, Plan, PlanGraph
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract
 from tfremat.memory import device_name
+from tfremat.planners import progress
+from tfremat.plots import memory_png, plot_memory
 from tfremat.rewriter import PlanInstallation
 from tfremat.simulation import simulate
 
@@ -37,6 +41,15 @@ class Planner(keras.callbacks.Callback):
     off the budget (at most `max_replans` times) and warns if the budget still
     cannot be met; it never exceeds the budget silently.
 
+    With `plot="memory.png"` it draws the predicted device memory over one step,
+    without and with the plan, the budget and the measured epoch peaks
+    (`tfremat.plot_memory`), updated at each epoch end. When the fit also has a
+    `keras.callbacks.TensorBoard`, the callback writes into that log directory's
+    `train` run: the plan summary as text (`tfremat/plan`), the memory timeline
+    as an image (`tfremat/memory_timeline`) and each epoch's measured and
+    predicted peaks as scalars (`tfremat/peak_memory_mb`,
+    `tfremat/predicted_peak_mb`).
+
     Args:
         budget_mb: Device memory budget in MiB (2**20 bytes) for a whole training
             step, weights and optimizer state included.
@@ -45,9 +58,12 @@ class Planner(keras.callbacks.Callback):
         offload: Whether `"auto"` may offload activations to host memory:
             True, False or `"auto"` (when a GPU exists). Offload runs the step
             outside XLA for this fit (a warning says so).
-        verbose: 1 prints the plan summary at the start of training.
+        verbose: 1 prints the plan summary at the start of training, and shows
+            what planning is doing when it takes more than two seconds.
         export: Path of a plan picture to write (`.png`, `.svg` or `.dot`).
             Without Graphviz, a `.dot` file is written instead, with a warning.
+        plot: Path of the memory timeline image (`.png`, `.svg`, `.pdf`); needs
+            matplotlib only.
         log_memory: Add `peak_memory_mb` and `predicted_peak_mb` to the logs.
         log_batches: Also add them to the logs of every batch.
         replan: Re-plan when the measured peak exceeds the budget.
@@ -61,18 +77,21 @@ class Planner(keras.callbacks.Callback):
         predicted_peak_mb: The simulator's peak for `plan`, MiB.
         replans: How often the measurement made it plan again.
         picture: The plan picture written (`export`, or its `.dot` fallback).
+        timeline: The memory timeline written (`plot`), or None.
 
     Example:
 
     ```python
-    history = model.fit(x, y, epochs=10, callbacks=[tfremat.Planner(budget_mb=6000)])
+    history = model.fit(x, y, epochs=10, callbacks=[
+        tfremat.Planner(budget_mb=6000, plot="memory.png"),
+        keras.callbacks.TensorBoard("logs")])
     history.history["peak_memory_mb"]
     ```
     """
 
     def __init__(self, budget_mb: float, *, planner: str = "auto", objective: str = "time",
                  offload: bool | str = "auto", verbose: int = 1, export: str | None = None,
-                 log_memory: bool = True, log_batches: bool = False, replan: bool = True,
+                 plot: str | None = None, log_memory: bool = True, log_batches: bool = False, replan: bool = True,
                  max_replans: int = 2, strategy: str | None = None) -> None:
         super().__init__()
         objective = api.deprecated_strategy(strategy, objective)
@@ -85,6 +104,7 @@ class Planner(keras.callbacks.Callback):
         if export is not None:
             picture_format(export)  # an unknown extension is refused here, not mid-fit
         self.export = export
+        self.plot = plot
         self.log_memory = log_memory
         self.log_batches = log_batches
         self.replan = replan
@@ -97,12 +117,15 @@ class Planner(keras.callbacks.Callback):
         self.graph: PlanGraph | None = None
         self.predicted_peak_mb: float | None = None
         self.picture: str | None = None
+        self.timeline: str | None = None
         self.epoch_peaks_mb: list[float] = []
         self.replans = 0
         self._installation: PlanInstallation | None = None
         self._fit: Any = None  # the fit this callback is part of
         self._own_train_function: Any = None
         self._measuring = False
+        self._epoch = 0
+        self._summary_writer: Any = None  # a TensorBoard callback's train run
 
     # -- wiring fit's events ---------------------------------------------------
 
@@ -116,6 +139,28 @@ class Planner(keras.callbacks.Callback):
         self._fit = self.model.history  # Keras makes a History for each fit
         self._own_train_function = self.model.train_function
         self.model.train_function = self._train_step
+        board = next((c for c in self._fit_callbacks()
+                      if isinstance(c, keras.callbacks.TensorBoard)), None)
+        if board is not None:
+            self._summary_writer = tf.summary.create_file_writer(
+                os.path.join(board.log_dir, "train"))
+
+    def _fit_callbacks(self) -> list[keras.callbacks.Callback]:
+        """The callbacks of the fit calling `on_train_begin`.
+
+        Keras gives a callback no handle on its siblings; the `CallbackList`
+        calling this one is found among the callers' frames.
+        """
+        frame = sys._getframe(1)
+        for _ in range(8):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.callbacks.CallbackList) and any(
+                    c is self for c in owner.callbacks):
+                return list(owner.callbacks)
+            frame = frame.f_back
+        return []
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.plan is None:
@@ -128,6 +173,7 @@ class Planner(keras.callbacks.Callback):
             self._over_budget(peak)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
         if self.plan is not None:
             tf.config.experimental.reset_memory_stats(self.device)
 
@@ -138,6 +184,16 @@ class Planner(keras.callbacks.Callback):
         if self.log_memory and logs is not None:
             logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
             logs["predicted_peak_mb"] = self.predicted_peak_mb
+        if self.plot:
+            self._draw_timeline(self.epoch_peaks_mb)
+        if self._summary_writer is not None:
+            png = memory_png(self.graph, self.plan, measured_mb=self.epoch_peaks_mb,
+                             budget_mb=self.budget_mb)
+            with self._summary_writer.as_default(step=epoch):
+                tf.summary.scalar("tfremat/peak_memory_mb", self.epoch_peaks_mb[-1])
+                tf.summary.scalar("tfremat/predicted_peak_mb", self.predicted_peak_mb)
+                tf.summary.image("tfremat/memory_timeline", tf.io.decode_png(png)[None])
+            self._summary_writer.flush()
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._restore()
@@ -150,6 +206,9 @@ class Planner(keras.callbacks.Callback):
         if self._fit is not None:
             self.model.train_function = self._own_train_function
             self._fit = self._own_train_function = None
+        if self._summary_writer is not None:
+            self._summary_writer.close()
+            self._summary_writer = None
 
     def _train_step(self, iterator: Any) -> Any:
         """The model's train function during this fit: plans at the first call,
@@ -193,8 +252,14 @@ class Planner(keras.callbacks.Callback):
             # unbuilt model while tracing the first step; planning needs it built
             # first, so build it as Keras does on its other backends.
             model._symbolic_build(data_batch=sample)
-        self.graph = extract(model, sample=sample)
-        self._install(self._plan(self.budget_mb))
+        with progress(self.verbose) as track:
+            traced = track(f"tfremat: tracing a training step of {model.name}", 1) \
+                if track else None
+            self.graph = extract(model, sample=sample)
+            if traced:
+                traced(1)
+            plan = self._plan(self.budget_mb)
+        self._install(plan)
         return self._iterator_of(batches, static)
 
     def _plan(self, budget_mb: float, objective: str | None = None) -> Plan:
@@ -237,6 +302,24 @@ class Planner(keras.callbacks.Callback):
             except OSError as e:  # a picture must never cost the training run
                 warnings.warn(f"tfremat: could not write the plan picture {self.export}: "
                               f"{e}", RuntimeWarning, stacklevel=2)
+        if self.plot:
+            self._draw_timeline(None)
+        if self._summary_writer is not None:
+            text = summary(self.graph, plan) if not plan.is_empty else (
+                f"The step fits {self.budget_mb:.0f} MiB without rewriting.")
+            with self._summary_writer.as_default(step=self._epoch):
+                # Markdown: indent four spaces so TensorBoard keeps the columns.
+                tf.summary.text("tfremat/plan", "\n".join("    " + ln
+                                                         for ln in text.splitlines()))
+            self._summary_writer.flush()
+
+    def _draw_timeline(self, measured_mb: list[float] | None) -> None:
+        try:
+            self.timeline = plot_memory(self.plan, self.plot, graph=self.graph,
+                                        measured_mb=measured_mb, budget_mb=self.budget_mb)
+        except OSError as e:  # a picture must never cost the training run
+            warnings.warn(f"tfremat: could not write the memory timeline {self.plot}: {e}",
+                          RuntimeWarning, stacklevel=3)
 
     def _global_batch(self, batch: Any) -> Any:
         """A batch as one tensor per leaf (replica parts joined, in order)."""

@@ -10,13 +10,14 @@ from tfremat.core.errors import (MIB, BackendError, BudgetError, PlanMismatchErr
                                  PlanValidationError, TfrematError, UnsupportedModelError)
 from tfremat.core.graph import (Node, PlanGraph, TensorInfo, dtype_size, split_ref,
                                 structure_fingerprint)
-from tfremat.core.plan import Offload, Plan, PlanEstimate, PlanViews, Segment, set_plan_views
+from tfremat.core.plan import (Offload, Plan, PlanEstimate, PlanPlots, PlanViews, Segment,
+                               set_plan_plots, set_plan_views)
 from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
 
 __all__ = [
     "MIB", "BackendError", "BudgetError", "Node", "Offload", "Plan", "PlanEstimate",
-    "PlanGraph", "PlanMismatchError", "PlanValidationError", "PlanViews", "Segment",
+    "PlanGraph", "PlanMismatchError", "PlanPlots", "PlanValidationError", "PlanViews", "Segment",
     "TensorInfo", "TfrematError", "UnsupportedModelError", "dtype_size", "is_convex",
-    "set_plan_views", "shared_layer_groups", "split_ref", "structure_fingerprint",
+    "set_plan_plots", "set_plan_views", "shared_layer_groups", "split_ref", "structure_fingerprint",
     "validate_plan",
 ]

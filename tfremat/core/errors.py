@@ -7,23 +7,91 @@ MIB = 2**20
 
 
 class TfrematError(Exception):
-    """Base class of tfremat's errors."""
+    """Base class of tfremat's errors: catch it to handle any of them.
+
+    Example:
+
+    ```python
+    try:
+        plan = tfremat.plan(model, budget_mb=200, batch_size=16)
+    except tfremat.TfrematError as e:
+        print(f"tfremat could not plan: {e}")
+    ```
+    """
 
 
 class BackendError(TfrematError, RuntimeError):
-    """TensorFlow is missing or Keras runs on another backend."""
+    """TensorFlow is missing or Keras runs on another backend.
+
+    Fix: install TensorFlow (`pip install 'tfremat[cpu]'`, `[gpu]` or `[tf]`)
+    and run Keras on it (`KERAS_BACKEND=tensorflow`, the default).
+
+    Example:
+
+    ```python
+    try:
+        tfremat.extract(model, batch_size=16)
+    except tfremat.BackendError as e:
+        print(e)  # says what is missing and how to install it
+    ```
+    """
 
 
 class UnsupportedModelError(TfrematError, ValueError):
-    """The model cannot be traced or rewritten (unbuilt, unsupported kind)."""
+    """The model cannot be traced or rewritten (unbuilt, unsupported kind).
+
+    The message names the fix: build the model (call it on a batch), pass
+    `sample=(x, y)` for a model without known inputs, and so on.
+
+    Example:
+
+    ```python
+    model = MySubclassedModel()
+    try:
+        tfremat.extract(model, batch_size=16)  # never called: not built
+    except tfremat.UnsupportedModelError:
+        model(x[:1])
+        graph = tfremat.extract(model, sample=(x[:16], y[:16]))
+    ```
+    """
 
 
 class PlanValidationError(TfrematError, ValueError):
-    """A plan is malformed for its graph (unknown ids, non-convex segments...)."""
+    """A plan is malformed for its graph (unknown ids, non-convex segments...).
+
+    Plans made by tfremat's planners pass validation; this is raised for plans
+    written by hand or edited JSON. The message names the offending node or
+    segment.
+
+    Example:
+
+    ```python
+    graph = tfremat.extract(model, batch_size=16)
+    plan = tfremat.Plan.from_segments(graph, [["conv1", "head"]])
+    try:
+        plan.validate(graph)
+    except tfremat.PlanValidationError as e:
+        print(e)  # e.g. the segment is not convex: a path leaves and re-enters it
+    ```
+    """
 
 
 class PlanMismatchError(PlanValidationError):
-    """A plan was made for another graph."""
+    """A plan was made for another graph.
+
+    A plan records the fingerprint of the layer graph it was made for; a model
+    whose layers or connections differ gets a new plan.
+
+    Example:
+
+    ```python
+    plan = tfremat.Plan.from_json("plan.json")
+    try:
+        smaller = tfremat.rewrite(model, plan)
+    except tfremat.PlanMismatchError:
+        smaller = tfremat.rewrite(model, budget_mb=200, batch_size=16)
+    ```
+    """
 
 
 class BudgetError(TfrematError, ValueError):

@@ -38,6 +38,11 @@ class TensorInfo:
         shape: Static shape, batch dimension included.
         dtype: dtype name, e.g. `"float32"`.
         bytes: Size in bytes.
+
+    Example:
+
+    >>> tfremat.TensorInfo.of((16, 56, 56, 64), "float32").bytes
+    12845056
     """
 
     shape: tuple[int, ...]
@@ -88,6 +93,14 @@ class Node:
         alias_inputs: For each output, the position in `inputs` of the input
             whose buffer it is (a reshape or identity), or None for a new buffer.
             Empty means no output aliases an input.
+
+    Example:
+
+    ```python
+    graph = tfremat.extract(model, batch_size=16)
+    node = graph.node("conv1_conv")
+    print(node.class_name, node.outputs[0].shape, node.output_bytes, node.flops_forward)
+    ```
     """
 
     id: str
@@ -165,6 +178,14 @@ class PlanGraph:
         outputs: References of the model outputs (the loss reads them).
         name: Model name.
         metadata: Free-form facts (batch size, trace time, device, strategy).
+
+    Example:
+
+    ```python
+    graph = tfremat.extract(model, batch_size=16)   # or build one by hand from Nodes
+    print(len(graph), graph.total_persistent_bytes / 2**20, "MiB persistent")
+    print(tfremat.simulate(graph).peak_mb, "MiB predicted without a plan")
+    ```
     """
 
     nodes: list[Node]

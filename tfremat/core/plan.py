@@ -27,6 +27,14 @@ class Segment:
         children: Segments nested inside this one (Chen et al. Sec. 4.4): while the
             segment is recomputed in the backward pass, its children are
             recomputed again rather than kept.
+
+    Example:
+
+    ```python
+    outer = tfremat.Segment(["conv1", "bn1", "relu1", "conv2"],
+                            children=[tfremat.Segment(["conv1", "bn1"])])
+    plan = tfremat.Plan.from_segments(graph, [outer])
+    ```
     """
 
     nodes: list[str]
@@ -51,6 +59,14 @@ class Offload:
     Attributes:
         tensor: Reference `"node_id:index"` of the offloaded tensor.
         prefetch_after: Id of the node whose gradient triggers the copy back.
+
+    Example:
+
+    ```python
+    plan = tfremat.Plan.from_segments(graph, [])
+    plan.offloaded = [tfremat.Offload("conv1_relu:0", prefetch_after="conv2_block1_add")]
+    print(tfremat.simulate(graph, plan).host_peak_bytes)
+    ```
     """
 
     tensor: str
@@ -78,6 +94,13 @@ class PlanEstimate:
         details: The planner's own figures, e.g. the DP's Eq. (2) peak
             (`"model_peak_bytes"`) or whether segments were nested
             (`"refined"`).
+
+    Example:
+
+    ```python
+    plan = tfremat.plan(model, budget_mb=200, batch_size=16)
+    print(plan.estimates.peak_mb, plan.estimates.overhead, plan.estimates.note)
+    ```
     """
 
     peak_bytes: int
@@ -117,7 +140,16 @@ class PlanViews(Protocol):
     def to_pydot(self, graph: PlanGraph, plan: "Plan", **kwargs: Any) -> Any: ...
 
 
+class PlanPlots(Protocol):
+    """The memory timeline of a plan (`tfremat.plots` provides it)."""
+
+    def plot_memory(self, plan: "Plan", path: str | os.PathLike, *,
+                    graph: PlanGraph | None = None,
+                    measured_mb: float | list[float] | None = None) -> str: ...
+
+
 _views: PlanViews | None = None
+_plots: PlanPlots | None = None
 
 
 def set_plan_views(views: PlanViews) -> None:
@@ -128,6 +160,13 @@ def set_plan_views(views: PlanViews) -> None:
     """
     global _views
     _views = views
+
+
+def set_plan_plots(plots: PlanPlots) -> None:
+    """Registers what `Plan.plot_timeline` draws with (`tfremat.plots`
+    registers itself when imported, as `tfremat.export` does for the views)."""
+    global _plots
+    _plots = plots
 
 
 @dataclasses.dataclass
@@ -219,6 +258,30 @@ class Plan:
         """The layer graph as a `pydot.Dot` coloured by this plan (see
         `tfremat.export.to_pydot` for the keyword arguments)."""
         return _require_views().to_pydot(self.graph_or(graph), self, **kwargs)
+
+    def plot_timeline(self, path: str | os.PathLike, graph: PlanGraph | None = None,
+                      measured_mb: float | list[float] | None = None) -> str:
+        """Writes the predicted device memory over one step, without and with
+        this plan, to an image (see `tfremat.plot_memory`).
+
+        Args:
+            path: Image file; its extension picks the format (`.png`, `.svg`, ...).
+            graph: The PlanGraph, when the plan does not carry one.
+            measured_mb: Measured peaks in MiB to draw beside the prediction.
+
+        Returns:
+            `path`.
+
+        Example:
+
+        ```python
+        plan = tfremat.plan(model, budget_mb=200, batch_size=16)
+        plan.plot_timeline("memory.png")
+        ```
+        """
+        if _plots is None:
+            raise RuntimeError("Plan timelines come from tfremat.plots: import tfremat first.")
+        return _plots.plot_memory(self, path, graph=graph, measured_mb=measured_mb)
 
     # -- checks ----------------------------------------------------------
 

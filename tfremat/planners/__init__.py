@@ -6,6 +6,7 @@ name or picks one ("auto", `registry.py`). What they share (valid segments,
 simulated estimates) is in `toolkit.py`.
 """
 
+from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
 from tfremat.planners.dp import OBJECTIVES, DPTimeout, approx_dp, exact_dp
 from tfremat.planners.registry import PLANNERS, make_plan, min_feasible_budget
@@ -13,6 +14,6 @@ from tfremat.planners.swapping import swap, swap_combined
 
 __all__ = [
     "DPTimeout", "OBJECTIVES", "PLANNERS", "approx_dp", "chen_drop_cheap", "chen_greedy",
-    "chen_recursive", "chen_sqrt", "exact_dp", "make_plan", "min_feasible_budget", "swap",
-    "swap_combined",
+    "chen_recursive", "chen_sqrt", "exact_dp", "make_plan", "min_feasible_budget", "progress",
+    "swap", "swap_combined",
 ]

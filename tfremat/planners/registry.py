@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from tfremat.core import BudgetError, Plan, PlanGraph
 from tfremat.planners import toolkit as seg
+from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
 from tfremat.planners.dp import OBJECTIVES, DPTimeout, approx_dp, exact_dp
 from tfremat.planners.swapping import swap, swap_combined
@@ -160,23 +161,29 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
     minimum = est.peak_bytes
     tried: list[str] = []
     answered: list[Callable[[int], Plan]] = []  # attempts that did not time out
-    for phase in (first, second):
-        fitting: list[Plan] = []
-        for name, attempt in phase:
-            try:
-                fitting.append(attempt(budget_bytes))
-                tried.append(f"{name}: fits")
-            except BudgetError as err:
-                minimum = min(minimum, err.min_budget_bytes)
-                tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
-                answered.append(attempt)
-            except DPTimeout as err:
-                warnings.warn(f"{err} Skipping it.", stacklevel=3)
-                tried.append(f"{name}: timed out")
-        if fitting:
-            plan = min(fitting, key=seg.cost)
-            return _noted(plan, f"Chosen by planner='auto' (least extra compute among "
-                                f"plans that fit) after: {'; '.join(tried)}.")
+    with progress(verbose) as track:
+        stage = track("planner auto", len(first) + len(second)) if track else None
+        for phase in (first, second):
+            fitting: list[Plan] = []
+            for name, attempt in phase:
+                if stage:
+                    stage(0, description=f"planner auto: trying {name}")
+                try:
+                    fitting.append(attempt(budget_bytes))
+                    tried.append(f"{name}: fits")
+                except BudgetError as err:
+                    minimum = min(minimum, err.min_budget_bytes)
+                    tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
+                    answered.append(attempt)
+                except DPTimeout as err:
+                    warnings.warn(f"{err} Skipping it.", stacklevel=3)
+                    tried.append(f"{name}: timed out")
+                if stage:
+                    stage(1)
+            if fitting:
+                plan = min(fitting, key=seg.cost)
+                return _noted(plan, f"Chosen by planner='auto' (least extra compute among "
+                                    f"plans that fit) after: {'; '.join(tried)}.")
     if offload:
         bases = _recompute_bases(answered, minimum, est.peak_bytes)
         try:

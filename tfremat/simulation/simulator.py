@@ -64,6 +64,14 @@ class Estimate:
         baseline_seconds: Predicted time of the step without a plan.
         stall_seconds: Time compute waits for copies back to the device.
         step_times: `(start, end)` seconds of each step of the schedule.
+
+    Example:
+
+    ```python
+    est = tfremat.simulate(graph, plan)
+    print(f"{est.peak_mb:.0f} MiB at {est.peak_step!r}, +{est.overhead:.0%} compute")
+    label, live_bytes = max(est.timeline, key=lambda step: step[1])
+    ```
     """
 
     peak_bytes: int
