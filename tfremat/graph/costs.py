@@ -1,4 +1,11 @@
-"""Cost model of graph operations: bytes of tensors and FLOPs of ops."""
+"""Cost model of graph operations: bytes of tensors and FLOPs of ops.
+
+A loop (`While`, as Keras's recurrent layers run on TensorFlow) is costed from
+its body: its FLOPs are the body's times the iterations, and each TensorList it
+returns holds one element per iteration. The accumulators TensorFlow adds to a
+loop for its gradient are such lists: they keep every step's state for the
+backward loop.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ import tensorflow as tf
 ALIAS_OPS = frozenset({
     "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
     "Snapshot", "PreventGradient", "EnsureShape", "Bitcast",
+    # A list made from a tensor holds slices of that tensor's buffer.
+    "TensorListFromTensor",
 })
 
 # Ops whose outputs take no memory of their own in the step.
@@ -29,6 +38,11 @@ ELEMENTWISE_OPS = frozenset({
     "Cast", "Erf", "Floor", "Round", "SquaredDifference", "Pow", "Swish",
 })
 
+WHILE_OPS = frozenset({"While", "StatelessWhile"})
+
+# TensorList writes in a loop body, and the input that is the element written.
+_LIST_WRITES = {"TensorListPushBack": 1, "TensorListSetItem": 2}
+
 _CONV_OPS = ("Conv2D", "Conv3D", "_FusedConv2D", "Conv2DBackpropInput",
              "Conv2DBackpropFilter", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2")
 
@@ -43,6 +57,62 @@ def tensor_bytes(t: tf.Tensor) -> int:
     except (TypeError, AttributeError):  # resource and variant tensors
         return 0
     return int(np.prod(shape.as_list(), dtype=np.int64)) * size
+
+
+def output_bytes(op: tf.Operation, j: int) -> int:
+    """Bytes of output `j` of `op`; for a loop's TensorList output, the bytes of
+    the elements it gathers over all iterations."""
+    out = op.outputs[j]
+    if op.type in WHILE_OPS and out.dtype == tf.variant:
+        return _list_bytes(op, j)
+    return tensor_bytes(out)
+
+
+def loop_iterations(op: tf.Operation) -> int:
+    """Iterations of a `While` op: its static `maximum_iterations`, else the
+    length of the TensorLists it reads (a scan over a sequence; the gradient
+    loop reads the forward loop's accumulators); 1 when none is known."""
+    limit = tf.get_static_value(op.inputs[1])
+    if limit is not None and limit >= 0:
+        return int(limit)
+    counts = []
+    for t in op.inputs:
+        src = t.op
+        if src.type == "TensorListFromTensor" and src.inputs[0].shape.rank:
+            counts.append(src.inputs[0].shape[0])
+        elif src.type == "TensorListReserve":
+            counts.append(tf.get_static_value(src.inputs[1]))
+        elif src.type in WHILE_OPS:
+            counts.append(loop_iterations(src))
+    return max((int(c) for c in counts if c is not None and c >= 0), default=1)
+
+
+def _body(op: tf.Operation) -> tf.Graph | None:
+    """The body graph of a `While` op, when its graph knows the function."""
+    function = op.graph._get_function(op.get_attr("body").name)
+    return getattr(function, "graph", None)
+
+
+def _list_bytes(op: tf.Operation, j: int) -> int:
+    """Bytes held by TensorList output `j` of a `While` op: the element the body
+    writes each iteration, unless the element is the same buffer every time (a
+    variable's value, a constant, a loop input passed through unchanged)."""
+    body = _body(op)
+    if body is None:
+        return 0
+    write = body.outputs[j].op
+    while write.type in ALIAS_OPS and write.inputs:
+        write = write.inputs[0].op
+    if write.type not in _LIST_WRITES:
+        return 0
+    element = write.inputs[_LIST_WRITES[write.type]]
+    if element.op.type == "Placeholder":  # a loop variable: new each iteration?
+        if any(t_in is element and t_out is element
+               for t_in, t_out in zip(body.inputs, body.outputs)):
+            return 0
+    elif element.op.type in FREE_OPS:
+        return 0
+    return loop_iterations(op) * tensor_bytes(element)
 
 
 def _elements(t: tf.Tensor) -> int:
@@ -92,6 +162,10 @@ def op_flops(op: tf.Operation) -> float:
         return 2.0 * _elements(op.inputs[2] if backprop else out) * w[0] * w[1]
     if t == "Einsum":
         return _einsum_flops(op)
+    if t in WHILE_OPS:
+        body = _body(op)
+        return 0.0 if body is None else \
+            loop_iterations(op) * sum(op_flops(b) for b in body.get_operations())
     return float(sum(_elements(o) for o in op.outputs))
 
 

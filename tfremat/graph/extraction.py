@@ -76,14 +76,17 @@ class _Dataflow:
         self.size: dict[_Root, int] = {}
         self.readers: dict[_Root, list[int]] = collections.defaultdict(list)
         for i, op in enumerate(ops):
-            for j, out in enumerate(op.outputs):
+            for j in range(len(op.outputs)):
                 if self._is_view(op, j):
                     src = op.inputs[min(j, len(op.inputs) - 1)]
                     self.root[(i, j)] = self.root_of(src)
                 else:
                     self.root[(i, j)] = (i, j)
                     free = op.type in costs.FREE_OPS or op.type == "Placeholder"
-                    self.size[(i, j)] = 0 if free else costs.tensor_bytes(out)
+                    self.size[(i, j)] = 0 if free else costs.output_bytes(op, j)
+        # Readers in a second pass: computing a loop's gradient adds inputs made
+        # later (its accumulators' empty lists) to the forward `While` op.
+        for i, op in enumerate(ops):
             for t in op.inputs:
                 self.readers[self.root_of(t)].append(i)
 

@@ -5,7 +5,8 @@ compiled loss, `tape.gradient`, optimizer update), otherwise a plain step with
 a mean-square loss and SGD. While tracing, each call site's `call` is wrapped to
 record the range of graph operations it creates (Keras name scopes are not
 layer names: docs/how-it-works.md, "Tracing"), and `tf.GradientTape.gradient` is wrapped to find
-where the backward pass starts and ends.
+where the backward pass starts and ends. The record describes the graph
+`tf.function` keeps, also when it traces the step twice to create variables.
 """
 
 from __future__ import annotations
@@ -144,49 +145,116 @@ def _sparse_targets(model: keras.Model, x_spec: Any) -> Any:
     return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[:-1], "int32"), out)
 
 
-@contextlib.contextmanager
-def _recording(sites_by_op: dict[int, list[str]], ops_of: dict[int, Any],
-               log: list[tuple[str, int, int, Any]],
-               grad_marks: list[tuple[int, int]]) -> Iterator[None]:
-    """Wraps call sites' `call` and `GradientTape.gradient` while tracing."""
-    counters = {k: 0 for k in sites_by_op}
-    originals = {}
+#: The name scope each recorded call runs in (made unique by TensorFlow).
+_CALL_SCOPE = "tfremat_call"
 
-    def op_count() -> int:
-        return len(tf.compat.v1.get_default_graph().get_operations())
 
-    for key, op in ops_of.items():
-        original = op.call
+class _Recorder:
+    """Records layer calls and `GradientTape.gradient` while a step is traced.
 
-        def wrapped(*args, __key=key, __orig=original, **kwargs):
-            start = op_count()
-            out = __orig(*args, **kwargs)
-            ids = sites_by_op[__key]
-            k = counters[__key]
-            counters[__key] = k + 1
-            site_id = ids[k] if k < len(ids) else None
-            log.append((site_id if site_id is not None else str(__key), start, op_count(), out))
+    `tf.function` may run the Python step more than once to build one graph: when
+    the first run creates variables (metrics, a dict of losses, an optimizer not
+    built yet, a model loaded from `.keras`), it traces again and keeps only the
+    last graph. Every run starts a new record (`start_trace`), so what remains
+    describes the graph that was kept, and only calls made directly in that graph
+    (not in a nested loop or branch body) are recorded. Each call runs in a name
+    scope of its own, so that its ops and their gradient ops
+    (`gradient_tape/<scope>/...`) can be told from other calls' by name.
+
+    Attributes:
+        graph: The graph of the last run.
+        log: `(site id, start, end, outputs)` per layer call, in call order.
+        grad_marks: `(start, end)` op counts around each `tape.gradient`.
+        extra_calls: Layers called more often than the model's graph calls
+            them: `name -> (calls, calls in the graph)`.
+    """
+
+    def __init__(self, sites_by_op: dict[int, list[str]], ops_of: dict[int, Any]) -> None:
+        self._sites_by_op = sites_by_op
+        self._ops_of = ops_of
+        self._counters: dict[int, int] = {}
+        self.graph: tf.Graph | None = None
+        self.log: list[tuple[str, int, int, Any]] = []
+        self.grad_marks: list[tuple[int, int]] = []
+        self.extra_calls: dict[str, tuple[int, int]] = {}
+
+    def start_trace(self) -> None:
+        """Forgets what an earlier run of the step recorded."""
+        self.graph = tf.compat.v1.get_default_graph()
+        self._counters = {k: 0 for k in self._sites_by_op}
+        self.log, self.grad_marks, self.extra_calls = [], [], {}
+
+    def _op_count(self) -> int | None:
+        """Ops in the traced graph so far; None inside a nested graph."""
+        graph = tf.compat.v1.get_default_graph()
+        return len(graph.get_operations()) if graph is self.graph else None
+
+    def _record(self, key: int, start: int | None, out: Any) -> None:
+        end = self._op_count()
+        if start is None or end is None:
+            return
+        ids = self._sites_by_op[key]
+        k = self._counters[key]
+        self._counters[key] = k + 1
+        if ids and k >= len(ids):
+            self.extra_calls[self._ops_of[key].name] = (k + 1, len(ids))
+            return
+        self.log.append((ids[k] if ids else str(key), start, end, out))
+
+    def check_one_forward_pass(self, model: keras.Model) -> None:
+        """Raises if the step called a layer more often than the model's graph.
+
+        Raises:
+            UnsupportedModelError: a custom `train_step` ran the model (or some
+                of its layers) more than once.
+        """
+        if not self.extra_calls:
+            return
+        name, (calls, in_graph) = next(iter(self.extra_calls.items()))
+        raise UnsupportedModelError(
+            f"The training step of {model.name!r} calls layer {name!r} {calls} times, "
+            f"but the model's graph calls it {in_graph} time(s): the step runs the "
+            "model (or some of its layers) more than once, as a custom train_step "
+            "calling the model twice does. tfremat plans and rewrites one forward "
+            "pass per step and cannot predict this step's memory.")
+
+    def _wrap(self, key: int, original: Any) -> Any:
+        """`original` (a bound `call`), recording each call it makes."""
+
+        def call(*args, **kwargs):
+            start = self._op_count()
+            # A scope of its own names the call's gradient ops after it too;
+            # a bare keras.ops call has no Keras scope.
+            with tf.name_scope(_CALL_SCOPE):
+                out = original(*args, **kwargs)
+            self._record(key, start, out)
             return out
 
-        originals[key] = original
-        op.call = wrapped
-    original_gradient = tf.GradientTape.gradient
+        return call
 
-    def gradient(self, *args, **kwargs):
-        start = op_count()
-        result = original_gradient(self, *args, **kwargs)
-        grad_marks.append((start, op_count()))
-        return result
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Wraps the call sites' `call` and `GradientTape.gradient`."""
+        for key, op in self._ops_of.items():
+            op.call = self._wrap(key, op.call)
+        original_gradient = tf.GradientTape.gradient
 
-    tf.GradientTape.gradient = gradient
-    try:
-        yield
-    finally:
-        tf.GradientTape.gradient = original_gradient
-        for key, op in ops_of.items():
-            # Remove the instance attribute so the class's `call` shows through.
-            if "call" in vars(op):
-                del op.call
+        def gradient(tape, *args, **kwargs):
+            start = self._op_count()
+            result = original_gradient(tape, *args, **kwargs)
+            if start is not None:
+                self.grad_marks.append((start, self._op_count()))
+            return result
+
+        tf.GradientTape.gradient = gradient
+        try:
+            yield
+        finally:
+            tf.GradientTape.gradient = original_gradient
+            for op in self._ops_of.values():
+                # Remove the instance attribute so the class's `call` shows through.
+                if "call" in vars(op):
+                    del op.call
 
 
 def _default_step(model: keras.Model) -> Any:
@@ -261,13 +329,17 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     step = step_function(model)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     error: Exception | None = None
+    recorder = _Recorder(sites_by_op, ops_of)
+
+    def recorded_step(x: Any, y: Any) -> Any:
+        recorder.start_trace()
+        return step(x, y)
+
     for y in candidates:
-        log: list[tuple[str, int, int, Any]] = []
-        grad_marks: list[tuple[int, int]] = []
         started = time.perf_counter()
         try:
-            with _recording(sites_by_op, ops_of, log, grad_marks):
-                concrete = tf.function(step).get_concrete_function(x_spec, y)
+            with recorder.installed():
+                concrete = tf.function(recorded_step).get_concrete_function(x_spec, y)
         except TRACE_ERRORS as e:
             error = e
             continue
@@ -275,10 +347,16 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
         break
     else:
         raise untraceable(model, error) from error
-    if not grad_marks:
+    if recorder.graph is not concrete.graph:
+        raise UnsupportedModelError(
+            f"The traced step of {model.name!r} is not the graph its layer calls were "
+            "recorded in; tfremat cannot map this model's layer calls to its graph.")
+    recorder.check_one_forward_pass(model)
+    if not recorder.grad_marks:
         raise UnsupportedModelError(
             f"The training step of {model.name!r} computes no gradients "
             "(tf.GradientTape.gradient was never called).")
+    log = recorder.log
     ops = concrete.graph.get_operations()
     if subclassed:
         sites, log = _name_dynamic_sites(ops_of, log)
@@ -294,7 +372,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
         raise UnsupportedModelError(
             f"While tracing {model.name!r}, call sites {missing[:5]} did not run; "
             "tfremat cannot map this model's layer calls to its graph.")
-    grad_start, grad_end = grad_marks[0]
+    grad_start, grad_end = recorder.grad_marks[0]
     return TracedStep(
         ops=ops, sites=sites, ranges=ranges, call_outputs=call_outputs,
         output_refs=output_refs, forward_end=previous_end, backward_start=grad_start,

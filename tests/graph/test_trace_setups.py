@@ -1,0 +1,129 @@
+"""Everyday compile setups give the PlanGraph of the bare compile.
+
+Metrics, a dict of losses, an optimizer that is not built and a model loaded from
+`.keras` all make `tf.function` trace the step twice (the first trace creates
+variables); the graph must describe the trace TensorFlow keeps.
+"""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat.core import UnsupportedModelError
+
+
+def conv_stack(size: int = 16, channels: int = 8, depth: int = 4) -> keras.Model:
+    inp = keras.Input((size, size, 3), name="image")
+    x = inp
+    for i in range(depth):
+        x = keras.layers.Conv2D(channels, 3, padding="same", name=f"conv{i}")(x)
+        x = keras.layers.ReLU(name=f"relu{i}")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    out = keras.layers.Dense(10, activation="softmax", name="head")(x)
+    return keras.Model(inp, out, name="conv_stack")
+
+
+def two_heads() -> keras.Model:
+    inp = keras.Input((16,), name="x")
+    h = keras.layers.Dense(32, activation="relu", name="trunk")(inp)
+    a = keras.layers.Dense(4, name="a")(h)
+    b = keras.layers.Dense(2, activation="tanh", name="b")(h)
+    return keras.Model(inp, {"a": a, "b": b}, name="two_heads")
+
+
+def assert_same_graph(got: tfremat.PlanGraph, want: tfremat.PlanGraph) -> None:
+    assert [n.id for n in got] == [n.id for n in want]
+    for n, m in zip(got, want):
+        assert n.backward_reads == m.backward_reads, n.id
+        assert n.internal_saved_bytes == m.internal_saved_bytes, n.id
+        assert n.flops_forward == m.flops_forward, n.id
+        assert n.flops_backward == m.flops_backward, n.id
+    peak, want_peak = tfremat.simulate(got).peak_bytes, tfremat.simulate(want).peak_bytes
+    assert abs(peak / want_peak - 1) < 1e-3, (peak, want_peak)
+
+
+@pytest.fixture(scope="module")
+def bare_conv_graph() -> tfremat.PlanGraph:
+    model = conv_stack()
+    model.compile(optimizer="adam", loss="categorical_crossentropy")
+    graph = tfremat.extract(model, batch_size=4)
+    # The bare graph itself is sound: convolutions read their inputs, ReLUs
+    # their outputs, and their gradients cost FLOPs.
+    assert graph.node("conv1").backward_reads == ["relu0:0"]
+    assert graph.node("relu1").backward_reads == ["relu1:0"]
+    assert all(n.flops_backward > 0 for n in graph if not n.is_input)
+    return graph
+
+
+def test_metrics_give_the_bare_graph(bare_conv_graph):
+    model = conv_stack()
+    model.compile(optimizer="adam", loss="categorical_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC()])
+    assert_same_graph(tfremat.extract(model, batch_size=4), bare_conv_graph)
+
+
+def test_an_unbuilt_optimizer_gives_the_bare_graph(bare_conv_graph):
+    model = conv_stack()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy")
+    assert not model.optimizer.built
+    assert_same_graph(tfremat.extract(model, batch_size=4), bare_conv_graph)
+
+
+def test_a_model_loaded_from_keras_file_gives_the_bare_graph(bare_conv_graph, tmp_path):
+    model = conv_stack()
+    model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
+    model.save(tmp_path / "m.keras")
+    keras.backend.clear_session()
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert_same_graph(tfremat.extract(loaded, batch_size=4), bare_conv_graph)
+
+
+def test_a_dict_of_weighted_losses_gives_the_bare_graph():
+    bare = two_heads()
+    bare.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+    want = tfremat.extract(bare, batch_size=4)
+    model = two_heads()
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mean_absolute_error"},
+                  loss_weights={"a": 1.0, "b": 0.5}, metrics={"a": ["mae"]})
+    got = tfremat.extract(model, batch_size=4)
+    assert_same_graph(got, want)
+    # Its kernel gradient reads the input; tanh keeps its output.
+    assert got.node("b").backward_reads == ["b:0", "trunk:0"]
+
+
+def test_metrics_leave_room_for_a_plan():
+    """Regression: with metrics, every node lost its backward reads, the
+    predicted peak fell far below the measured one, and the plan was empty."""
+    model = conv_stack(size=32, channels=32)
+    model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
+    graph = tfremat.extract(model, batch_size=8)
+    plain = conv_stack(size=32, channels=32)
+    plain.compile(optimizer="adam", loss="categorical_crossentropy")
+    assert_same_graph(graph, tfremat.extract(plain, batch_size=8))
+    budget_mb = 0.7 * tfremat.simulate(graph).peak_mb
+    plan = tfremat.plan(model, budget_mb=budget_mb, batch_size=8, graph=graph)
+    assert plan.segments
+    assert tfremat.simulate(graph, plan).peak_mb <= budget_mb
+
+
+class TwoPasses(keras.Model):
+    """A custom train_step that runs the model twice."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            loss += tf.reduce_mean(tf.square(self(2.0 * x, training=True)))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_step_running_the_model_twice_is_refused():
+    base = conv_stack()
+    model = TwoPasses(base.inputs, base.outputs)
+    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    with pytest.raises(UnsupportedModelError,
+                       match=r"calls layer 'conv0' 2 times.*custom train_step"):
+        tfremat.extract(model, batch_size=4)
