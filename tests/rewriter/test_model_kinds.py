@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-import pytest
+import tensorflow as tf
 
 from tests.rewriter import rewrite_helpers as h
-from tfremat.core import UnsupportedModelError
 from tfremat.core import Segment
 from tfremat.rewriter import RecomputeSegment, rewrite_model
 
@@ -45,20 +44,31 @@ def test_masks_stay_inside_a_segment():
     h.assert_same_step(model, rewritten, tokens)
 
 
-def test_mask_crossing_a_segment_border_is_unsupported():
+def test_mask_crossing_a_segment_border_is_carried():
+    # tests/rewriter/test_masks_and_losses.py covers masks and losses in depth.
+    keras.utils.set_random_seed(18)
     model = _masked_model()
     ids = h.body_ids(model)
-    with pytest.raises(UnsupportedModelError, match="masks"):
-        rewrite_model(model, h.plan_for(model, [ids[1:3]]))
+    rewritten = rewrite_model(model, h.plan_for(model, [ids[1:3]]))
+    tokens = np.array([[3, 4, 5, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7]], "int32")
+    h.assert_same_step(model, rewritten, tokens)
 
 
-def test_activity_regularizer_in_a_segment_is_refused_when_called():
+def test_activity_regularizer_in_a_segment_keeps_its_loss():
+    keras.utils.set_random_seed(19)
     x = keras.Input((4,))
     y = keras.layers.Dense(4, activity_regularizer="l2")(x)
     model = keras.Model(x, keras.layers.Dense(1)(y))
     rewritten = rewrite_model(model, h.plan_for(model, [h.body_ids(model)[:1]]))
-    with pytest.raises(UnsupportedModelError, match="activity_regularizer"):
-        rewritten(np.ones((2, 4), "float32"), training=True)
+    batch = np.random.default_rng(0).standard_normal((2, 4)).astype("float32")
+    grads = []
+    for m in (model, rewritten):
+        with tf.GradientTape() as tape:
+            out = m(batch, training=True)
+            loss = tf.add_n(m.losses + [tf.reduce_sum(out)])
+        grads.append([g.numpy() for g in tape.gradient(loss, m.trainable_variables)])
+        assert len(m.losses) == 1
+    assert h.rel_error(grads[0], grads[1]) <= h.REL_TOL
 
 
 def test_integer_inputs_to_a_segment_keep_weight_gradients():

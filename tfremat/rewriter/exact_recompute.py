@@ -9,17 +9,35 @@ variables (non-trainable variables, `SeedGenerator` states included) before the
 forward pass, and runs the recompute inside a `keras.StatelessScope` mapping
 each state variable to its snapshot, so the recompute sees the state the
 forward pass saw and its assignments are discarded.
+
+Keras masks and activation losses cross the unit as well:
+
+- The tensors the unit's function receives carry the Keras masks of the
+  unit's inputs, in the forward pass and in the recompute; its outputs carry
+  the masks the forward pass made. Masks are boolean: they are bound as
+  constants, never differentiated.
+- The losses its layers add during the call (`add_loss`,
+  `activity_regularizer`) are extra outputs of the recompute, so their
+  gradient flows through its custom gradient. Each replaces, where the layer
+  that added it keeps it, the loss the forward pass added, so `model.losses`
+  lists it once, attributed to that layer. The recompute adds its
+  copies inside its own `StatelessScope`, which discards them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
 from keras.src import tree
-from keras.src.backend import get_keras_mask, set_keras_mask
+from keras.src.backend import (get_keras_mask, get_stateless_scope, in_stateless_scope,
+                               set_keras_mask)
+from keras.src.backend.common import global_state
+from keras.src.layers.layer import CallContext
 
 from tfremat.core import UnsupportedModelError
 from tfremat.rewriter.recompute_grad import recompute_grad
@@ -45,9 +63,134 @@ def state_variables(layers: Sequence[Any]) -> list[Any]:
     return out
 
 
-def activation_losses(layers: Sequence[Any]) -> int:
-    """How many losses `layers` and their sublayers added in their calls."""
-    return sum(len(sub._losses) for layer in layers for sub in layer._flatten_layers())
+def with_masks(tensors: list[Any], masks: Sequence[Any]) -> list[Any]:
+    """`tensors`, each given the Keras mask at its position in `masks`.
+
+    Args:
+        tensors: Tensors (the recompute's copies of a unit's inputs).
+        masks: A mask or None per tensor.
+
+    Returns:
+        `tensors` itself, the masks attached.
+    """
+    for x, mask in zip(tensors, masks):
+        if mask is not None:
+            set_keras_mask(x, mask)
+    return tensors
+
+
+def call_functional(model: keras.Model, inputs: list[Any], training: bool | None) -> Any:
+    """`model(inputs, training=training)` for inputs carrying Keras masks.
+
+    Keras's `__call__` of a functional model warns that the model destroys
+    the masks of its inputs, which is wrong: its layers read them. This runs
+    the model's `call` in the model's name scope instead (the same operations,
+    named as `__call__` names them).
+
+    Args:
+        model: A functional model (a segment's or offload unit's sub-model).
+        inputs: Its input tensors, with their masks.
+        training: The training mode, passed to every layer.
+
+    Returns:
+        The model's outputs.
+    """
+    with keras.name_scope(model.name, caller=model):
+        return model.call(inputs, training=training)
+
+
+def collects_losses() -> bool:
+    """Whether a layer's `add_loss` keeps its loss here: always outside a
+    `keras.StatelessScope`, inside one only if it collects losses."""
+    return not in_stateless_scope() or get_stateless_scope().collect_losses
+
+
+class AddedLosses:
+    """Records the losses that layers add inside a `with` block.
+
+    Args:
+        layers: Keras layers; their sublayers are watched too.
+
+    Attributes:
+        losses: After the block, each `(layer, loss)` added in it, layers in
+            `_flatten_layers` order, each layer's losses in the order added.
+    """
+
+    def __init__(self, layers: Sequence[Any]) -> None:
+        self._layers = list({id(sub): sub for layer in layers
+                             for sub in layer._flatten_layers()}.values())
+        self._before: set[int] = set()
+        self.losses: list[tuple[Any, Any]] = []
+
+    def _tracked(self) -> list[tuple[Any, Any]]:
+        return [(layer, loss) for layer in self._layers for loss in layer._get_own_losses()]
+
+    def __enter__(self) -> "AddedLosses":
+        self._before = {id(loss) for _, loss in self._tracked()}
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        seen = set(self._before)
+        for layer, loss in self._tracked():
+            if id(loss) not in seen:
+                seen.add(id(loss))
+                self.losses.append((layer, loss))
+
+
+def replace_loss(layer: Any, old: Any, new: Any) -> None:
+    """Puts `new` where `layer` keeps the loss `old` it added.
+
+    Args:
+        layer: A Keras layer.
+        old: A loss `layer` added (`add_loss`) in the current scope.
+        new: The tensor to stand in its place.
+    """
+    if in_stateless_scope():
+        losses = get_stateless_scope().losses
+        layer._loss_ids.discard(id(old))
+        layer._loss_ids.add(id(new))
+    else:
+        losses = layer._losses
+    losses[next(k for k, x in enumerate(losses) if x is old)] = new
+
+
+@contextlib.contextmanager
+def inner_call_context() -> Iterator[None]:
+    """Runs layer calls as if inside an outer layer's call.
+
+    Keras clears a layer's losses, and its sublayers', when a call enters it
+    outside any other layer's call, as a recompute in the backward pass does:
+    that would drop the losses of the forward pass from `model.losses`.
+    """
+    previous = global_state.get_global_attribute("current_call_ctx")
+    global_state.set_global_attribute("current_call_ctx", CallContext(entry_layer=None))
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", previous)
+
+
+def check_same_losses(forward: Sequence[tuple[Any, Any]],
+                      again: Sequence[tuple[Any, Any]]) -> None:
+    """Raises if a recompute added other losses than the forward pass.
+
+    Raises:
+        UnsupportedModelError: the layers adding losses differ, naming them.
+    """
+    if [id(layer) for layer, _ in forward] != [id(layer) for layer, _ in again]:
+        names = sorted({layer.name for layer, _ in [*forward, *again]})
+        raise UnsupportedModelError(
+            f"Layer(s) {names} added {len(forward)} loss(es) in the forward pass "
+            f"but {len(again)} when recomputed; a recompute must add the losses of "
+            "the forward pass. Keep these layers outside recompute segments.")
+
+
+@dataclasses.dataclass
+class _Forward:
+    """What the forward pass of a recompute unit made."""
+
+    outputs: Any = None
+    losses: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
 
 
 def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
@@ -59,53 +202,59 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
             (e.g. `training`) in a closure: `checkpoint.recompute_grad` takes
             positional tensors only.
         inputs: The tensors to pass to `fn`. Floating ones are the recompute's
-            arguments; integer and boolean ones are bound as constants.
+            arguments; integer and boolean ones are bound as constants. `fn`
+            receives them with their Keras masks.
         layers: The Keras layers `fn` calls. The recompute reads their state
             variables (see `state_variables`) as they were before the forward
-            pass and does not assign them.
+            pass and does not assign them. The losses they add are carried
+            through the recompute (see the module docstring).
 
     Returns:
         What `fn` returns, with the Keras masks the forward pass attached.
 
     Raises:
-        UnsupportedModelError: a layer added a loss computed from its
-            activations (`add_loss`, `activity_regularizer`): its gradient
-            would not flow through the recompute.
+        UnsupportedModelError: the recompute added other losses than the
+            forward pass.
     """
     state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
     values = [tf.convert_to_tensor(x) for x in inputs]
+    masks = [get_keras_mask(x) for x in inputs]
     # Only floating tensors go through recompute_grad (it adds a float
     # dependency to each argument); integer and boolean ones are bound as
     # constants of the recompute.
     differentiable = [i for i, x in enumerate(values) if x.dtype.is_floating]
+    collect = collects_losses()
     calls = itertools.count()
-    forward_outputs: list[Any] = []
+    forward = _Forward()
 
-    def body(*xs: Any) -> Any:
+    def body(*xs: Any) -> list[Any]:
         args = list(values)
         for i, x in zip(differentiable, xs):
             args[i] = x
+        with_masks(args, masks)
         if next(calls) == 0:  # The forward pass: state updates are kept.
-            losses = activation_losses(layers)
-            outputs = fn(*args)
-            if activation_losses(layers) != losses:
-                raise UnsupportedModelError(
-                    f"A layer among {[layer.name for layer in layers]} adds a loss "
-                    "computed from its activations (add_loss or activity_regularizer); "
-                    "its gradient cannot flow through a recompute. Keep that layer "
-                    "outside recompute segments.")
-            forward_outputs.extend(tree.flatten(outputs))
-            return outputs
-        with keras.StatelessScope(state_mapping=list(zip(state, snapshots))):
-            return fn(*args)
+            with AddedLosses(layers) as added:
+                forward.outputs = fn(*args)
+            forward.losses = added.losses
+            return [*tree.flatten(forward.outputs), *(loss for _, loss in added.losses)]
+        with keras.StatelessScope(state_mapping=list(zip(state, snapshots)),
+                                  collect_losses=collect), inner_call_context():
+            with AddedLosses(layers) as added:
+                outputs = fn(*args)
+        check_same_losses(forward.losses, added.losses)
+        return [*tree.flatten(outputs), *(loss for _, loss in added.losses)]
 
     positional = [values[i] for i in differentiable]
     # recompute_grad needs one argument at least: weights' gradients still
     # flow when every input is an integer (e.g. token ids into an Embedding).
-    outputs = recompute_grad(body)(*(positional or [tf.zeros(())]))
-    for inner, outer in zip(forward_outputs, tree.flatten(outputs)):
-        mask = get_keras_mask(inner)
+    results = list(recompute_grad(body)(*(positional or [tf.zeros(())])))
+    inner = tree.flatten(forward.outputs)
+    outputs, losses = results[:len(inner)], results[len(inner):]
+    for (layer, old), new in zip(forward.losses, losses):
+        replace_loss(layer, old, new)
+    for made, out in zip(inner, outputs):
+        mask = get_keras_mask(made)
         if mask is not None:
-            set_keras_mask(outer, mask)
-    return outputs
+            set_keras_mask(out, mask)
+    return tree.pack_sequence_as(forward.outputs, outputs)

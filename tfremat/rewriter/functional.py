@@ -19,7 +19,6 @@ from typing import Any, Sequence
 
 import keras
 from keras.src import tree
-from keras.src.backend import get_keras_mask
 
 from tfremat.core import Segment, UnsupportedModelError
 from tfremat.graph import CallSite, as_functional
@@ -176,13 +175,6 @@ class _Rebuild:
         if not outputs:
             raise UnsupportedModelError(
                 f"Segment {segment.nodes} computes nothing that the model uses.")
-        masked = [ref for ref in inputs + outputs
-                  if get_keras_mask(self.symbolic[ref]) is not None]
-        if masked:
-            raise UnsupportedModelError(
-                f"Segment {segment.nodes} has Keras masks on its border tensors "
-                f"{masked}; masks do not cross a recompute segment. Move the border "
-                "so that the layer making the mask and its consumers are on one side.")
         local = {}
         for ref in inputs:
             spec = self.symbolic[ref]

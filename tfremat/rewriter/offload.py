@@ -34,8 +34,9 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
 
-from tfremat.core import UnsupportedModelError
-from tfremat.rewriter.exact_recompute import activation_losses, state_variables
+from tfremat.rewriter.exact_recompute import (AddedLosses, check_same_losses, collects_losses,
+                                              inner_call_context, replace_loss,
+                                              state_variables, with_masks)
 
 KEEP_ATTR = "_grappler_do_not_remove"
 
@@ -197,12 +198,13 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
     `compute_device`, with the other inputs as they were, and differentiates
     it. The re-run sees the state variables of the forward pass (BatchNorm
     statistics, dropout seeds) and assigns none of them, as in
-    `tfremat.rewriter.exact_recompute.recompute`.
+    `tfremat.rewriter.exact_recompute.recompute`, which also says how Keras
+    masks and the losses the layers add cross the unit.
 
     Args:
         fn: A function of positional tensors only (bind `training` in a
             closure: `tf.custom_gradient` refuses keywords in graph mode).
-        inputs: The device tensors to pass to `fn`.
+        inputs: The device tensors to pass to `fn`, with their Keras masks.
         host_copies: Host copy (`to_host`) of each offloaded input, by
             position in `inputs`.
         layers: The Keras layers `fn` calls.
@@ -215,8 +217,8 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
         What `fn` returns, with the Keras masks of the forward pass.
 
     Raises:
-        UnsupportedModelError: a layer adds a loss computed from its
-            activations (its gradient would bypass the unit).
+        UnsupportedModelError: the re-run added other losses than the forward
+            pass.
     """
     if _in_xla():
         warnings.warn(
@@ -226,12 +228,15 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
     state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
     values = [tf.convert_to_tensor(x) for x in inputs]
+    input_masks = [get_keras_mask(x) for x in inputs]
     differentiable = [i for i, x in enumerate(values) if x.dtype.is_floating]
+    collect = collects_losses()
     structure: list[Any] = []
     masks: list[Any] = []
+    losses: list[tuple[Any, Any]] = []
 
     def run(args: list[Any]) -> list[Any]:
-        outputs = fn(*args)
+        outputs = fn(*with_masks(args, input_masks))
         structure[:] = [outputs]
         return tree.flatten(outputs)
 
@@ -240,13 +245,9 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
         args = list(values)
         for i, x in zip(differentiable, xs):
             args[i] = x
-        losses = activation_losses(layers)
-        outputs = run(args)
-        if activation_losses(layers) != losses:
-            raise UnsupportedModelError(
-                f"A layer among {[layer.name for layer in layers]} adds a loss computed "
-                "from its activations (add_loss or activity_regularizer); its gradient "
-                "cannot flow through an offload unit. Do not offload its inputs.")
+        with AddedLosses(layers) as added:
+            outputs = run(args)
+        losses[:] = added.losses
         masks[:] = [get_keras_mask(t) for t in outputs]
 
         def grad(*dys: tf.Tensor, variables: Sequence[Any] = ()) -> Any:
@@ -257,8 +258,12 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
             with tf.device(compute_device), tf.GradientTape() as tape:
                 tape.watch(watched)
                 tape.watch(list(variables))
-                with keras.StatelessScope(state_mapping=list(zip(state, snapshots))):
-                    again = run(replay)
+                with keras.StatelessScope(state_mapping=list(zip(state, snapshots)),
+                                          collect_losses=collect), inner_call_context():
+                    with AddedLosses(layers) as added_again:
+                        again = run(replay)
+                check_same_losses(losses, added_again.losses)
+                again += [loss for _, loss in added_again.losses]
                 grads = tape.gradient(
                     again, watched + list(variables),
                     output_gradients=[tf.zeros_like(o) if dy is None else dy
@@ -268,12 +273,15 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
             input_grads = grads[:len(watched)] or [tf.zeros(())]
             return input_grads, grads[len(watched):]
 
-        return [tf.identity(t) for t in outputs], grad
+        return [tf.identity(t) for t in [*outputs, *(loss for _, loss in losses)]], grad
 
     # tf.custom_gradient needs one argument at least (all inputs integer).
     flat = list(unit(*([values[i] for i in differentiable] or [tf.zeros(())])))
-    for t, mask in zip(flat, masks):
+    outputs, added_losses = flat[:len(masks)], flat[len(masks):]
+    for (layer, old), new in zip(losses, added_losses):
+        replace_loss(layer, old, new)
+    for t, mask in zip(outputs, masks):
         if mask is not None:
             set_keras_mask(t, mask)
-    return tree.pack_sequence_as(structure[0], flat)
+    return tree.pack_sequence_as(structure[0], outputs)
 

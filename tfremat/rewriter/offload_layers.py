@@ -15,11 +15,14 @@ from typing import Any
 import keras
 from keras.src import tree
 
+from tfremat.rewriter.exact_recompute import call_functional
 from tfremat.rewriter.offload import GradientSignals, offload_call, signal_gradient, to_host
 
 
 class HostCopy(keras.layers.Layer):
     """Copies its input to the host device (see `tfremat.rewriter.offload.to_host`).
+
+    The copy keeps its input's Keras mask.
 
     Args:
         host_device: The host device, e.g. `"/CPU:0"`.
@@ -30,6 +33,7 @@ class HostCopy(keras.layers.Layer):
         super().__init__(**kwargs)
         self.host_device = host_device
         self._convert_input_args = False
+        self.supports_masking = True
         self.built = True
 
     def call(self, inputs: Any) -> Any:
@@ -42,6 +46,8 @@ class HostCopy(keras.layers.Layer):
 class GradientSignal(keras.layers.Layer):
     """Identity on a prefetch trigger's inputs, recording their gradient.
 
+    Each output keeps its input's Keras mask.
+
     Args:
         signals: The model's `GradientSignals`.
         key: The trigger's node id.
@@ -53,6 +59,7 @@ class GradientSignal(keras.layers.Layer):
         self.signals = signals
         self.key = key
         self._convert_input_args = False
+        self.supports_masking = True
         self.built = True
 
     def call(self, inputs: list[Any]) -> list[Any]:
@@ -69,7 +76,8 @@ class OffloadUnit(keras.layers.Layer):
     offloaded ones. A sub-model of one layer call is a pure offload for
     Conv2D/Dense (Grappler prunes the dead re-run); a sub-model of a recompute
     segment is recomputed from the prefetched inputs. See
-    `tfremat.rewriter.offload.offload_call`.
+    `tfremat.rewriter.offload.offload_call`. Keras masks and losses cross the
+    unit as they cross a `RecomputeSegment`.
 
     Args:
         submodel: A functional `keras.Model` taking and returning lists.
@@ -92,6 +100,7 @@ class OffloadUnit(keras.layers.Layer):
         self.compute_device = compute_device
         self.signals = signals
         self._convert_input_args = False
+        self.supports_masking = True
         self.built = True
 
     def call(self, inputs: list[Any], training: bool | None = None) -> list[Any]:
@@ -99,13 +108,17 @@ class OffloadUnit(keras.layers.Layer):
         device_inputs, host = list(inputs[:n]), inputs[n:]
 
         def run(*xs: Any) -> list[Any]:
-            return self.submodel(list(xs), training=training)
+            return call_functional(self.submodel, list(xs), training)
 
         outputs = offload_call(
             run, device_inputs, dict(zip(self.offloaded, host)), [self.submodel],
             compute_device=self.compute_device, signals=self.signals,
             triggers=dict(zip(self.offloaded, self.triggers)))
         return tree.flatten(outputs)
+
+    def compute_mask(self, inputs: list[Any], previous_mask: Any = None) -> None:
+        # `call` attaches the masks of the forward pass to the outputs.
+        return None
 
     def compute_output_spec(self, inputs: list[Any],
                             training: bool | None = None) -> list[Any]:

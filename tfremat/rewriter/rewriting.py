@@ -51,11 +51,16 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     XLA. A model with offload does not save: save the original (it shares the
     weights) and rewrite it again.
 
-    Limits: Keras masks must not cross a segment border, and a layer adding a
-    loss from its activations (`add_loss`, `activity_regularizer`) must stay
-    outside segments and offload units; both raise `UnsupportedModelError`.
-    A tensor recomputed inside its segment, a model output, or any tensor of a
-    subclassed model cannot be offloaded (`PlanValidationError`).
+    Keras masks cross segment and offload-unit borders at run time (the
+    layers inside see the masks of the unit's inputs; its outputs carry the
+    masks made inside), and the losses layers inside add (`add_loss`,
+    `activity_regularizer`) stay in `model.losses` with their gradient
+    (`tfremat.rewriter.exact_recompute`).
+
+    Limits: a tensor recomputed inside its segment, a model output, or any
+    tensor of a subclassed model cannot be offloaded (`PlanValidationError`).
+    A layer must add the same losses when recomputed as in the forward pass
+    (`UnsupportedModelError` naming it otherwise).
 
     Saving: the rewritten functional model saves to `.keras` and loads with
     `keras.models.load_model` once `tfremat.rewriter` is imported. Its weight

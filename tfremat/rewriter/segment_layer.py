@@ -7,7 +7,7 @@ from typing import Any
 import keras
 from keras.src import tree
 
-from tfremat.rewriter.exact_recompute import recompute
+from tfremat.rewriter.exact_recompute import call_functional, recompute
 
 
 @keras.saving.register_keras_serializable(package="tfremat")
@@ -21,6 +21,13 @@ class RecomputeSegment(keras.layers.Layer):
     `SeedGenerator` states (dropout masks) of the forward pass, and updates
     neither (see `tfremat.rewriter.exact_recompute`). `training` is passed to every
     sublayer explicitly, also in the recompute.
+
+    Keras masks cross the segment at run time, as they cross a nested
+    functional model in Keras: the sub-model's layers see the masks of the
+    segment's inputs, and the outputs carry the masks made inside; the
+    symbolic outputs carry none. Losses the sub-model's layers add
+    (`add_loss`, `activity_regularizer`) stay in `model.losses`, with their
+    gradient.
 
     The layer is built by `tfremat.rewriter.rewriting` and saves with the
     model: `keras.models.load_model` restores it once `tfremat.rewriter` is
@@ -47,14 +54,19 @@ class RecomputeSegment(keras.layers.Layer):
         self.submodel = submodel
         # The sub-model's layers cast their own inputs; keep dtypes as given.
         self._convert_input_args = False
+        self.supports_masking = True
         self.built = True
 
     def call(self, inputs: list[Any], training: bool | None = None) -> list[Any]:
         def run(*xs: Any) -> list[Any]:
-            return self.submodel(list(xs), training=training)
+            return call_functional(self.submodel, list(xs), training)
 
         outputs = recompute(run, list(inputs), [self.submodel])
         return tree.flatten(outputs)
+
+    def compute_mask(self, inputs: list[Any], previous_mask: Any = None) -> None:
+        # `call` attaches the masks of the forward pass to the outputs.
+        return None
 
     def compute_output_spec(self, inputs: list[Any],
                             training: bool | None = None) -> list[Any]:
