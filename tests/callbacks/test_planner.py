@@ -272,3 +272,24 @@ def test_training_with_a_plan_is_bit_identical_to_plain_training(budget_mb):
     assert not planner.plan.is_empty
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(budget_mb, monkeypatch):
+    """A re-plan resets the allocator's statistics; the epoch's peak still counts the
+    steps run before it (here the only step, run unplanned and over budget)."""
+    x, y = data(1)
+    real_plan = planner_module.api.plan
+    calls = []
+
+    def optimistic_then_real(model, budget, **kwargs):
+        calls.append(budget)
+        if len(calls) == 1:
+            return tfremat.Plan.from_segments(kwargs["graph"], [], planner="optimistic")
+        return real_plan(model, budget, **kwargs)
+
+    monkeypatch.setattr(planner_module.api, "plan", optimistic_then_real)
+    planner = tfremat.Planner(budget_mb, verbose=0)
+    hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[planner])
+    assert planner.replans >= 1
+    assert hist.history["peak_memory_mb"][0] > budget_mb

@@ -125,6 +125,7 @@ class Planner(keras.callbacks.Callback):
         self._own_train_function: Any = None
         self._measuring = False
         self._epoch = 0
+        self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
         self._summary_writer: Any = None  # a TensorBoard callback's train run
 
     # -- wiring fit's events ---------------------------------------------------
@@ -166,6 +167,7 @@ class Planner(keras.callbacks.Callback):
         if self.plan is None:
             return
         peak = self._peak_mb()
+        self._epoch_peak_mb = max(self._epoch_peak_mb, peak)
         if self.log_batches and logs is not None:
             logs["peak_memory_mb"] = peak
             logs["predicted_peak_mb"] = self.predicted_peak_mb
@@ -174,13 +176,15 @@ class Planner(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
+        self._epoch_peak_mb = 0.0
         if self.plan is not None:
             tf.config.experimental.reset_memory_stats(self.device)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.plan is None:
             return
-        self.epoch_peaks_mb.append(self._peak_mb())
+        # A re-plan resets the statistics mid-epoch: the steps before it count too.
+        self.epoch_peaks_mb.append(max(self._epoch_peak_mb, self._peak_mb()))
         if self.log_memory and logs is not None:
             logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
             logs["predicted_peak_mb"] = self.predicted_peak_mb
