@@ -20,6 +20,7 @@ EXPECTED = {
     "fit_under_budget.py": "epoch 1: loss",
     "host_offload.py": "memory timeline (offloaded tensors marked)",
     "inspect_a_plan.py": "JSON round trip",
+    "multi_worker.py": "2 workers applied the same plan",
     "rewrite_and_save.py": "loaded in a fresh process: predictions match",
     "subclassed_model.py": "measured peak",
     "transformer_lm.py": "epoch 1: loss",

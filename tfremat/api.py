@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfremat.core import MIB, Plan, PlanGraph
@@ -68,10 +69,13 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
 
     Args:
         model: A built Keras model (compiled models use their loss and optimizer).
-        budget_mb: Device memory budget in MiB (2**20 bytes) for the whole step,
-            weights and optimizer state included, as
+        budget_mb: Memory budget of ONE device in MiB (2**20 bytes) for the whole
+            step, weights and optimizer state included, as
             `tf.config.experimental.get_memory_info(device)["peak"]` reports it.
-        batch_size: Batch size, when shapes come from `model.inputs`.
+            Under data parallelism every replica needs this much.
+        batch_size: Batch size, when shapes come from `model.inputs`. Under a
+            `tf.distribute` strategy, the per-replica batch (global batch //
+            `strategy.num_replicas_in_sync`).
         sample: One batch `(x, y)` or a `tf.data.Dataset`, instead of `batch_size`.
         planner: `"auto"` or one of `"chen-sqrt"`, `"chen-greedy"`,
             `"chen-drop-cheap"`, `"chen-recursive"`, `"exact-dp"`, `"approx-dp"`,
@@ -87,6 +91,13 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             2 shows it at once and leaves it on screen.
         graph: The model's PlanGraph, if already extracted.
         strategy: Deprecated name of `objective`.
+
+    Inside the `scope()` of a `tf.distribute.MultiWorkerMirroredStrategy`,
+    call it on every worker, as the rest of the training code: each worker
+    traces its replica's step through `strategy.run` and plans, and every
+    worker then applies the chief's plan, received through the strategy's
+    collectives (planning is deterministic, but a DP's `time_limit` is wall
+    time).
 
     Returns:
         A `Plan` carrying its `graph`; empty when the step already fits.
@@ -116,8 +127,46 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         result = make_plan(graph, int(budget_mb * MIB), planner=planner,
                            objective=objective, time_limit=time_limit, verbose=verbose,
                            **settings)
+    result = chief_plan(result, graph)
     result.graph = graph
     return result
+
+
+def chief_plan(local: Plan, graph: PlanGraph) -> Plan:
+    """The chief worker's plan, on every worker of a multi-worker strategy.
+
+    Outside a multi-worker strategy's scope, `local` itself. Inside, the chief's
+    plan is broadcast as JSON through the strategy's collectives (an all-reduce
+    sum to which only the chief contributes), so all workers rewrite their
+    replicas alike; a worker whose own plan differed logs a warning.
+
+    Raises:
+        PlanMismatchError: the chief planned another model (fingerprints differ).
+    """
+    if not tf.distribute.in_cross_replica_context():
+        return local
+    strategy = tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync == len(strategy.extended.worker_devices):
+        return local  # one worker
+    chief = strategy.extended.should_checkpoint
+    text = local.to_json(indent=None)
+
+    @tf.function
+    def summed(values: tf.Tensor) -> tf.Tensor:
+        return strategy.reduce(tf.distribute.ReduceOp.SUM,
+                               strategy.run(tf.identity, args=(values,)), axis=None)
+
+    mine = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+    length = int(summed(tf.constant([len(mine) if chief else 0]))[0])
+    received = summed(tf.constant(mine if chief else np.zeros(length, np.int32)))
+    chosen_text = np.asarray(received, np.uint8).tobytes().decode()
+    chosen = Plan.from_json(chosen_text)
+    chosen.check_graph(graph)
+    if chosen_text != text:
+        logger.warning("tfremat: this worker's own plan differs from the chief's "
+                       "(%d vs %d segments); using the chief's.",
+                       len(local.segments), len(chosen.segments))
+    return chosen
 
 
 def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,

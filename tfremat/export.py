@@ -227,7 +227,7 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     est = simulate(graph, plan, validate=False)
     lines = [f'Plan for "{graph.name}" by {plan.planner}', "=" * 72]
     if plan.budget_bytes:
-        lines.append(f"Budget:          {_mib(plan.budget_bytes)}")
+        lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
     lines += [
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
         f"Extra compute:   +{est.overhead:.1%} of a step",

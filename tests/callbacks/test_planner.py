@@ -161,6 +161,14 @@ def test_csv_logger_records_the_peaks(budget_mb, tmp_path):
 
 
 def test_mirrored_strategy_on_two_logical_cpus(budget_mb):
+    """The budget is per replica, and the plan is made for one replica's batch.
+
+    The two logical CPUs share ONE allocator (tests/conftest.py), so the measured
+    `CPU:0` peak is both replicas together: it cannot check the per-replica
+    budget here (tests/distribute/test_multi_worker.py does, with one process
+    per worker). What can be checked: the traced step is one replica's share of
+    the global batch, and training matches plain training.
+    """
     x, y = data()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
@@ -172,7 +180,32 @@ def test_mirrored_strategy_on_two_logical_cpus(budget_mb):
     hist = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
                      callbacks=[planner])
     assert not planner.plan.is_empty
+    assert planner.graph.metadata["batch_shape"] == [[BATCH // 2, 48, 48, 3]]
     np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-4)
+
+
+def test_planning_inside_a_mirrored_scope_says_to_plan_outside_it():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = make_model()
+        with pytest.raises(tfremat.UnsupportedModelError,
+                           match=r"2 replicas on this worker.*global batch // 2"):
+            tfremat.plan(model, 100, batch_size=BATCH // 2)
+    # Outside the scope, the same model plans for one replica's batch.
+    plan = tfremat.plan(model, 1e6, batch_size=BATCH // 2)
+    assert plan.graph.metadata["batch_shape"] == [[BATCH // 2, 48, 48, 3]]
+
+
+def test_an_excess_above_the_whole_budget_ends_in_the_best_effort_plan(budget_mb,
+                                                                       monkeypatch):
+    """A measured excess larger than the budget leaves no budget to re-plan for:
+    the callback warns and trains with its lowest-peak plan instead of failing."""
+    x, y = data(2)
+    monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 3 * budget_mb)
+    planner = tfremat.Planner(budget_mb, verbose=0, max_replans=1)
+    with pytest.warns(RuntimeWarning, match="lowest reachable prediction"):
+        hist = make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    assert planner.replans == 1 and len(hist.history["loss"]) == 1
 
 
 def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):

@@ -50,9 +50,15 @@ class Planner(keras.callbacks.Callback):
     predicted peaks as scalars (`tfremat/peak_memory_mb`,
     `tfremat/predicted_peak_mb`).
 
+    Under `tf.distribute.MirroredStrategy` the plan is made for one replica's
+    share of the batch, and the budget holds for each device.
+    `MultiWorkerMirroredStrategy` needs a custom training loop with
+    `tfremat.plan` and `tfremat.rewrite` (Keras 3's fit does not run under it):
+    constructing the callback in its scope raises a RuntimeError saying so.
+
     Args:
-        budget_mb: Device memory budget in MiB (2**20 bytes) for a whole training
-            step, weights and optimizer state included.
+        budget_mb: Memory budget of ONE device in MiB (2**20 bytes) for a whole
+            training step, weights and optimizer state included.
         planner: Planner name (see `tfremat.plan`), `"auto"` by default.
         objective: `"time"` or `"memory"` for the DP planners.
         offload: Whether `"auto"` may offload activations to host memory:
@@ -94,6 +100,15 @@ class Planner(keras.callbacks.Callback):
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False, replan: bool = True,
                  max_replans: int = 2, strategy: str | None = None) -> None:
         super().__init__()
+        if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
+            # Keras's fit fails before any callback runs (in its symbolic build),
+            # with "Attempt to convert a value (PerReplica...)": say it here.
+            raise RuntimeError(
+                "Keras 3's model.fit does not run under MultiWorkerMirroredStrategy "
+                "(keras-team/keras#20585), so tfremat.Planner cannot either. Train "
+                "with a custom loop (strategy.run): call tfremat.plan and "
+                "tfremat.rewrite inside strategy.scope() on every worker, as "
+                "examples/multi_worker.py does.")
         objective = api.deprecated_strategy(strategy, objective)
         self.budget_mb = api.check_budget_mb(budget_mb)
         api.check_planner(planner, objective, offload)
@@ -379,7 +394,10 @@ class Planner(keras.callbacks.Callback):
             return
         self.replans += 1
         excess = peak_mb - self.predicted_peak_mb
-        target = self.budget_mb - max(excess, 0.05 * self.budget_mb)
+        # An excess above the budget itself leaves no budget to plan for: ask for
+        # 1% of it, which ends in the best-effort plan below.
+        target = max(self.budget_mb - max(excess, 0.05 * self.budget_mb),
+                     0.01 * self.budget_mb)
         if self.verbose:
             io_utils.print_msg(f"tfremat: measured {peak_mb:.1f} MiB > budget "
                                f"{self.budget_mb:.1f} MiB: re-planning for {target:.1f} MiB.")

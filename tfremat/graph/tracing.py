@@ -327,13 +327,14 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
             sites_by_op.setdefault(id(s.operation), []).append(s.id)
             ops_of[id(s.operation)] = s.operation
     step = step_function(model)
+    trace_step = _in_replica_context(step)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     error: Exception | None = None
     recorder = _Recorder(sites_by_op, ops_of)
 
     def recorded_step(x: Any, y: Any) -> Any:
         recorder.start_trace()
-        return step(x, y)
+        return trace_step(x, y)
 
     for y in candidates:
         started = time.perf_counter()
@@ -377,6 +378,33 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
         ops=ops, sites=sites, ranges=ranges, call_outputs=call_outputs,
         output_refs=output_refs, forward_end=previous_end, backward_start=grad_start,
         backward_end=grad_end, input_specs=(x_spec, y), seconds=seconds)
+
+
+def _in_replica_context(step: Any) -> Any:
+    """`step`, made traceable inside a `tf.distribute.Strategy.scope()`.
+
+    Outside a scope the step is traced as it is. Inside one (the cross-replica
+    context) a `DistributedVariable` has no handle, so the step is run through
+    `strategy.run`, as a custom training loop runs it: the traced graph is one
+    replica's step on its batch, with the strategy's gradient all-reduce. That
+    needs one replica on this worker (`MultiWorkerMirroredStrategy` with one
+    device per worker); with several, `strategy.run` would trace the step once
+    per replica.
+
+    Raises:
+        UnsupportedModelError: the scope's strategy has several local replicas.
+    """
+    if not tf.distribute.in_cross_replica_context():
+        return step
+    strategy = tf.distribute.get_strategy()
+    local = len(strategy.extended.worker_devices)
+    if local != 1:
+        raise UnsupportedModelError(
+            f"tfremat traces one replica's training step, but this "
+            f"{type(strategy).__name__} has {local} replicas on this worker. Plan "
+            "outside `strategy.scope()` with the per-replica batch (global batch // "
+            f"{strategy.num_replicas_in_sync}), or use tfremat.Planner in fit.")
+    return lambda x, y: strategy.run(step, args=(x, y))
 
 
 def _name_dynamic_sites(ops_of: dict[int, Any],
