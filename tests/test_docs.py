@@ -16,12 +16,6 @@ import tfremat
 
 ROOT = pathlib.Path(__file__).parent.parent
 
-#: Public names whose docstrings still lack an example. They live in
-#: tfremat/memory.py, which is being reworked elsewhere; remove a name here
-#: once its docstring has an `Example:` section.
-EXAMPLE_PENDING = {"MeasuredPeak", "measure_step"}
-
-
 def api_entries() -> dict[str, object]:
     """`::: module.name` entries of docs/api.md -> the objects they name."""
     found = {}
@@ -38,17 +32,10 @@ def test_every_public_name_has_an_api_entry():
         assert entries[name] is getattr(tfremat, name), name
 
 
-@pytest.mark.parametrize("name", sorted(set(tfremat.__all__) - EXAMPLE_PENDING))
+@pytest.mark.parametrize("name", sorted(tfremat.__all__))
 def test_public_docstrings_have_an_example(name):
     doc = inspect.getdoc(getattr(tfremat, name)) or ""
     assert re.search(r"^Example:?$", doc, re.M), f"tfremat.{name} has no Example section"
-
-
-def test_pending_examples_are_still_missing():
-    """Keeps EXAMPLE_PENDING honest: a name that got its example leaves the list."""
-    for name in EXAMPLE_PENDING:
-        assert not re.search(r"^Example:?$", inspect.getdoc(getattr(tfremat, name)) or "",
-                             re.M), f"remove {name} from EXAMPLE_PENDING"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None

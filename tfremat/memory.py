@@ -28,6 +28,12 @@ class MeasuredPeak:
         peak_bytes: `get_memory_info(device)["peak"]` over the measured steps:
             everything allocated on the device, weights and optimizer included.
         start_bytes: Bytes in use just before the step ran.
+
+    Example:
+
+    >>> result = tfremat.measure_peak(model, batch_size=32, return_details=True)
+    >>> print(f"{result.peak_mb:.0f} MiB on {result.device}, "
+    ...       f"{result.step_bytes / 2**20:.0f} MiB added by the step")
     """
 
     device: str
@@ -73,6 +79,11 @@ def measure_step(run: Callable[[], Any], *, device: str | None = None,
 
     Returns:
         A `MeasuredPeak`.
+
+    Example:
+
+    >>> step = tf.function(lambda: model.train_on_batch(x, y))
+    >>> tfremat.measure_step(step).peak_mb
     """
     device = device or device_name()
     run()

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
 from keras.src.backend import (get_keras_mask, get_stateless_scope, in_stateless_scope,
                                set_keras_mask)
 from keras.src.backend.common import global_state

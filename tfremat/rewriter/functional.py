@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import keras
-from keras.src import tree
+from keras import tree
 
 from tfremat.core import Segment, UnsupportedModelError
 from tfremat.graph import CallSite, as_functional

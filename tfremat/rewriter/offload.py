@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
 from keras.src.backend import get_keras_mask, set_keras_mask
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util

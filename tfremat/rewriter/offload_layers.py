@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from keras.src import tree
+from keras import tree
 
 from tfremat.rewriter.exact_recompute import call_functional
 from tfremat.rewriter.offload import GradientSignals, offload_call, signal_gradient, to_host

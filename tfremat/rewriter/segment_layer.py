@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from keras.src import tree
+from keras import tree
 
 from tfremat.rewriter.exact_recompute import call_functional, recompute
 

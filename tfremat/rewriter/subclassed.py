@@ -39,7 +39,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
 from keras.src.backend import any_symbolic_tensors
 from keras.src.backend.common import global_state
 from keras.src.utils import tracking
