@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         f"({'within it in every epoch' if max(peaks) <= budget_mb else 'EXCEEDED'}).",
         "Epoch 1 includes tracing, planning and the first allocations, so growth is "
         "counted from epoch 2. A re-plan happens when a step's measured peak exceeds "
-        "the budget and resets the measurement: epoch 1's peak is that of the steps "
-        "after the last re-plan.",
+        "the budget; an epoch's peak counts its steps before and after it.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
