@@ -143,8 +143,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     result = run_demo(batch_size=args.batch_size, steps=args.steps, epochs=args.epochs,
                       budget_fraction=args.budget_fraction, export=args.export,
                       plot=args.plot or None)
-    over = [p for p in result["peak_memory_mb"] if p > result["budget_mb"]]
-    return 1 if over else 0
+    # The first epoch may run a plan that measured over the budget before the
+    # Planner re-planned; the last epoch shows where training settled.
+    return 1 if result["peak_memory_mb"][-1] > result["budget_mb"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -139,6 +139,7 @@ class Planner(keras.callbacks.Callback):
         self._fit: Any = None  # the fit this callback is part of
         self._own_train_function: Any = None
         self._measuring = False
+        self._warming_up = False  # the step just run is the first of a new plan
         self._epoch = 0
         self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
         self._summary_writer: Any = None  # a TensorBoard callback's train run
@@ -186,7 +187,13 @@ class Planner(keras.callbacks.Callback):
         if self.log_batches and logs is not None:
             logs["peak_memory_mb"] = peak
             logs["predicted_peak_mb"] = self.predicted_peak_mb
-        if peak > self.budget_mb and self._measuring:
+        if self._warming_up:
+            # The first step after installing a plan traces its train function and
+            # makes first-use allocations: it counts in the epoch's peak, but the
+            # plan is judged on the steps after it.
+            self._warming_up = False
+            tf.config.experimental.reset_memory_stats(self.device)
+        elif peak > self.budget_mb and self._measuring:
             self._over_budget(peak)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -305,6 +312,7 @@ class Planner(keras.callbacks.Callback):
         self._report(plan)
         tf.config.experimental.reset_memory_stats(self.device)
         self._measuring = True
+        self._warming_up = True
 
     def _report(self, plan: Plan) -> None:
         if self.verbose:
