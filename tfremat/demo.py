@@ -105,6 +105,7 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
         "plain_peak_mb": plain_peak,
         "budget_mb": budget_mb,
         "peak_memory_mb": history.history["peak_memory_mb"],
+        "plan_peak_mb": planner.plan_peak_mb,
         "predicted_peak_mb": history.history["predicted_peak_mb"][-1],
         "loss": history.history["loss"],
         "step_time_ratio": t_planned / t_plain,
@@ -115,6 +116,11 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
         peaks = ", ".join(f"{p:.1f}" for p in result["peak_memory_mb"])
         print(f"\nMeasured peak per epoch with tfremat: {peaks} MiB (budget {budget_mb} MiB, "
               f"plain {plain_peak:.1f} MiB).")
+        if planner.plan_peak_mb is not None:
+            print(f"Measured peak with the final plan (its first step left out): "
+                  f"{planner.plan_peak_mb:.1f} MiB"
+                  + (" - within the budget." if planner.plan_peak_mb <= budget_mb
+                     else " - over the budget."))
         print(f"Step time: {result['step_time_ratio']:.2f}x the plain step.")
         if planner.timeline:
             print(f"Memory timeline: {planner.timeline}")

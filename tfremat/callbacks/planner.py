@@ -83,6 +83,8 @@ class Planner(keras.callbacks.Callback):
         predicted_peak_mb: The simulator's peak for `plan`, MiB.
         replans: How often the measurement made it plan again.
         picture: The plan picture written (`export`, or its `.dot` fallback).
+        plan_peak_mb: Measured peak of the steps run with `plan`, its first step
+            (tracing, first-use allocations) left out; None before such a step.
         timeline: The memory timeline written (`plot`), or None.
 
     Example:
@@ -131,6 +133,7 @@ class Planner(keras.callbacks.Callback):
         self.plan: Plan | None = None
         self.graph: PlanGraph | None = None
         self.predicted_peak_mb: float | None = None
+        self.plan_peak_mb: float | None = None
         self.picture: str | None = None
         self.timeline: str | None = None
         self.epoch_peaks_mb: list[float] = []
@@ -193,7 +196,9 @@ class Planner(keras.callbacks.Callback):
             # plan is judged on the steps after it.
             self._warming_up = False
             tf.config.experimental.reset_memory_stats(self.device)
-        elif peak > self.budget_mb and self._measuring:
+            return
+        self.plan_peak_mb = max(self.plan_peak_mb or 0.0, peak)
+        if peak > self.budget_mb and self._measuring:
             self._over_budget(peak)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -313,6 +318,7 @@ class Planner(keras.callbacks.Callback):
         tf.config.experimental.reset_memory_stats(self.device)
         self._measuring = True
         self._warming_up = True
+        self.plan_peak_mb = None
 
     def _report(self, plan: Plan) -> None:
         if self.verbose:
