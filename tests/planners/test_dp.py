@@ -237,3 +237,47 @@ def test_approx_dp_on_a_500_node_resnet_is_fast():
     whole = time.perf_counter() - start
     plan.validate(graph)
     assert one_run < 5 and whole < 5, (one_run, whole)
+
+
+# -- the exact DP is never worse than the approximate one under the simulator --------
+
+
+def assert_exact_at_least_as_good(graph, budget, objective):
+    """At `budget`, exact-dp fits whenever approx-dp does, with no more overhead
+    (time) or no higher simulated peak (memory); at budget 0 its minimum
+    feasible budget is no higher."""
+    outcomes = {}
+    for planner in (exact_dp, approx_dp):
+        try:
+            outcomes[planner] = planner(graph, budget, objective=objective)
+        except BudgetError as err:
+            outcomes[planner] = err
+    exact, approx = outcomes[exact_dp], outcomes[approx_dp]
+    if isinstance(approx, BudgetError):
+        if isinstance(exact, BudgetError):
+            assert exact.min_budget_bytes <= approx.min_budget_bytes
+        return
+    assert not isinstance(exact, BudgetError), (exact, approx.peak_bytes)
+    assert exact.peak_bytes <= budget
+    assert exact.planner == "exact-dp" and exact.estimates.details["dp"] in ("exact", "approx")
+    if objective == "time":
+        assert exact.estimates.overhead <= approx.estimates.overhead + 1e-12
+    else:
+        assert exact.peak_bytes <= approx.peak_bytes
+
+
+@settings(max_examples=30, deadline=None)
+@given(small_dags(), st.floats(0.0, 1.2), st.sampled_from(["time", "memory"]))
+def test_exact_dp_is_never_worse_than_approx_dp_under_the_simulator(graph, where, objective):
+    base = simulate(graph).peak_bytes
+    assert_exact_at_least_as_good(graph, 0, objective)
+    assert_exact_at_least_as_good(graph, int(base * where), objective)
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+@pytest.mark.parametrize("objective", ["time", "memory"])
+def test_exact_dp_is_never_worse_than_approx_dp_on_benchmark_like_graphs(name, objective):
+    graph = GRAPHS[name]()
+    base = simulate(graph).peak_bytes
+    for fraction in (0.0, 0.3, 0.45, 0.6, 0.9):
+        assert_exact_at_least_as_good(graph, int(base * fraction), objective)

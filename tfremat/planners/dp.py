@@ -18,15 +18,19 @@ own budget is searched:
   `MEMORY_SCAN` are tried and the plan with the lowest simulated peak wins.
   When even that one misses the budget, `_refine.lower_peak` nests segments
   where the simulated peak occurs (Chen et al.'s recursion, only where it
-  pays) until the plan fits or no move lowers the peak; such plans carry the
-  estimate details `"refined": True` and `"flat_peak_bytes"`.
+  pays) until the plan fits or no move lowers the peak, starting from the
+  `REFINE_STARTS` lowest plans in turn; such plans carry the estimate details
+  `"refined": True` and `"flat_peak_bytes"`.
 
-The lowest feasible Eq. (2) budget is found directly, by a DP minimising the
-peak, rather than by bisection.
+The lowest feasible Eq. (2) budget is found by a DP minimising the peak (the
+exact DP) or exactly by a search over budgets (the approximate DP). `exact_dp`
+also runs the approximate DP's search and returns the better of the two plans
+under the simulator, so it is never worse than `approx_dp`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -34,7 +38,7 @@ from tfremat.core import BudgetError, Plan, PlanGraph
 from tfremat.planners import _dp_approx, _refine, toolkit as seg
 from tfremat.planners._dp_exact import Deadline, DPTimeout, ExactDP
 from tfremat.planners._dp_model import DPModel, DPResult
-from tfremat.planners._progress import progress
+from tfremat.planners._progress import Track, progress
 
 OBJECTIVES = ("time", "memory")
 
@@ -45,6 +49,13 @@ MEMORY_SCAN = (1.0, 1.1, 1.25, 1.5, 2.0)
 #: The time-centric search stops once a plan's simulated peak is within this
 #: fraction below the budget: a fuller plan would save little more time.
 FILL_TOLERANCE = 0.01
+
+#: Plans of lowest simulated peak that the memory-centric search nests
+#: (`_refine.lower_peak`) when none fits the budget, one after the other.
+REFINE_STARTS = 2
+
+#: Bands of cached bytes per key of the approximate DP (`approx_dp`'s `buckets`).
+APPROX_BUCKETS = 64
 
 __all__ = ["DPTimeout", "OBJECTIVES", "approx_dp", "exact_dp"]
 
@@ -59,13 +70,24 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
     Exponential in the graph's width: fast on chains and graphs of a few dozen
     calls, hopeless on wide graphs, hence `time_limit`.
 
+    The exact DP is optimal for Eq. (2), not for the simulator, which rates
+    plans by liveness: the approximate DP's coarser plans can simulate lower.
+    So the approximate DP's search (as `approx_dp` runs it) is run as well, and
+    the better of the two plans is returned: for `"time"`, the one of least
+    overhead among those that fit; for `"memory"`, the one of lowest simulated
+    peak. The result is never worse than `approx_dp`'s by that measure, and its
+    minimum feasible budget never higher. Its estimate details say which DP
+    found it (`"dp"`: `"exact"` or `"approx"`).
+
     Args:
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes.
         objective: `"time"` (least overhead within budget) or `"memory"`
             (memory-centric: the lowest simulated peak, nesting segments
             where the peak occurs when flat blocks miss the budget).
-        time_limit: Seconds for the whole search (None: no limit).
+        time_limit: Seconds for the exact DP's search (None: no limit); the
+            approximate DP's search, run once the exact one has finished, is
+            not limited.
         search_steps: Most DP runs of the time-centric search over the DP's
             own budget.
         verbose: 1 or more shows a `rich` progress display.
@@ -76,7 +98,7 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
     Raises:
         DPTimeout: the time limit passed.
         BudgetError: no plan found fits the budget; the minimum is the smallest
-            simulated peak among the plans tried.
+            simulated peak among the plans tried by either DP.
     """
     settings = {"objective": objective, "time_limit": time_limit,
                 "search_steps": search_steps}
@@ -84,12 +106,30 @@ def exact_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
     deadline = Deadline(time_limit)
     with progress(verbose) as track:
         dp = ExactDP(model, deadline, track)
-        return _plan(graph, model, dp.solve, budget_bytes, objective, search_steps,
-                     planner="exact-dp", settings=settings)
+        outcomes = {
+            "exact": _outcome(lambda: _plan(
+                graph, model, dp.solve, budget_bytes, objective, search_steps,
+                planner="exact-dp", settings=settings)),
+            "approx": _outcome(lambda: _approx_plan(
+                graph, model, budget_bytes, objective, APPROX_BUCKETS, search_steps,
+                track, planner="exact-dp", settings=settings))}
+    plans = {dp_name: p for dp_name, p in outcomes.items() if isinstance(p, Plan)}
+    if not plans:
+        errors = [e for e in outcomes.values() if isinstance(e, BudgetError)]
+        lowest = min(errors, key=lambda e: e.min_budget_bytes)
+        raise BudgetError(budget_bytes, lowest.min_budget_bytes, "exact-dp",
+                          " ".join(f"{name} DP: {e.detail}"
+                                   for name, e in zip(outcomes, errors)))
+    rank = seg.cost if objective == "time" else _lowest_peak_first
+    dp_name, best = min(plans.items(), key=lambda item: rank(item[1]))
+    best.estimates = dataclasses.replace(
+        best.estimates, details={**best.estimates.details, "dp": dp_name})
+    return best
 
 
 def approx_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
-              buckets: int = 64, search_steps: int = 8, verbose: int = 0) -> Plan:
+              buckets: int = APPROX_BUCKETS, search_steps: int = 8,
+              verbose: int = 0) -> Plan:
     """Plans with the approximate DP over ancestor closures L_v (Sec. 4.3).
 
     Args:
@@ -99,7 +139,9 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
             (memory-centric: the lowest simulated peak, nesting segments
             where the peak occurs when flat blocks miss the budget).
         buckets: Bands of cached bytes kept per key (more: closer to optimal,
-            slower).
+            slower). They cover only the cached bytes from which the budget
+            can still be met, so they grow finer near the lowest feasible
+            budget; that budget is found exactly whatever `buckets`.
         search_steps: Most DP runs of the time-centric search over the DP's
             own budget.
         verbose: 1 or more shows a `rich` progress display.
@@ -112,19 +154,39 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
             simulated peak among the plans tried.
     """
     settings = {"objective": objective, "buckets": buckets, "search_steps": search_steps}
-    model = DPModel.of(graph)
-    tables = _dp_approx.PairTables(model)
     with progress(verbose) as track:
-        total = 2 + max(search_steps, len(MEMORY_SCAN))
-        advance = track("approximate DP", total) if track else None
+        return _approx_plan(graph, DPModel.of(graph), budget_bytes, objective, buckets,
+                            search_steps, track, planner="approx-dp", settings=settings)
 
-        def solve(budget: float, objective: str) -> DPResult | None:
-            if advance:
-                advance(1)
-            return _dp_approx.solve(model, tables, budget, objective, buckets)
 
-        return _plan(graph, model, solve, budget_bytes, objective, search_steps,
-                     planner="approx-dp", settings=settings)
+def _approx_plan(graph: PlanGraph, model: DPModel, budget_bytes: int, objective: str,
+                 buckets: int, search_steps: int, track: Track | None, *, planner: str,
+                 settings: dict[str, Any]) -> Plan:
+    """The approximate DP's search, its plans recorded as `planner`'s."""
+    tables = _dp_approx.PairTables(model)
+    total = 2 + max(search_steps, len(MEMORY_SCAN))
+    advance = track("approximate DP", total) if track else None
+
+    def solve(budget: float, objective: str) -> DPResult | None:
+        if advance:
+            advance(1)
+        return _dp_approx.solve(model, tables, budget, objective, buckets)
+
+    return _plan(graph, model, solve, budget_bytes, objective, search_steps,
+                 planner=planner, settings=settings)
+
+
+def _outcome(search: Callable[[], Plan]) -> Plan | BudgetError:
+    """The plan `search` returns, or the BudgetError it raises."""
+    try:
+        return search()
+    except BudgetError as err:
+        return err
+
+
+def _lowest_peak_first(plan: Plan) -> tuple[int, float]:
+    """How memory-centric plans are ranked: smallest peak, then least overhead."""
+    return (plan.peak_bytes, plan.estimates.overhead)
 
 
 def _plan(graph: PlanGraph, model: DPModel, solve: _Solver, budget_bytes: int,
@@ -178,24 +240,34 @@ class _Search:
         """The plan of lowest simulated peak; nested where its peak occurs when
         it misses the budget.
 
+        The nesting is a local search, and where it ends depends on where it
+        starts: the `REFINE_STARTS` lowest distinct plans are refined in turn
+        until one fits.
+
         Raises:
-            BudgetError: even the nested plan misses the budget.
+            BudgetError: no refined plan meets the budget; the minimum is the
+                lowest peak reached.
         """
-        best = min(self.plans.values(),
-                   key=lambda p: (p.peak_bytes, p.estimates.overhead))
-        if seg.fits(best, self.budget_bytes):
-            return best
-        refined = _refine.lower_peak(self.graph, best.segments, self.budget_bytes)
-        if refined != best.segments:
-            best = seg.finish_plan(self.graph, refined, planner=self.planner,
+        ranked = sorted({repr(p.segments): p for p in self.plans.values()}.values(),
+                        key=_lowest_peak_first)
+        lowest = ranked[0]
+        if seg.fits(lowest, self.budget_bytes):
+            return lowest
+        for start in ranked[:REFINE_STARTS]:
+            refined = _refine.lower_peak(self.graph, start.segments, self.budget_bytes)
+            if refined == start.segments:
+                continue
+            plan = seg.finish_plan(self.graph, refined, planner=self.planner,
                                    budget_bytes=self.budget_bytes, settings=self.settings,
                                    details={"refined": True,
-                                            "flat_peak_bytes": best.peak_bytes})
-            if seg.fits(best, self.budget_bytes):
-                return best
-        raise BudgetError(self.budget_bytes, best.peak_bytes, self.planner,
+                                            "flat_peak_bytes": start.peak_bytes})
+            if seg.fits(plan, self.budget_bytes):
+                return plan
+            lowest = min(lowest, plan, key=_lowest_peak_first)
+        raise BudgetError(self.budget_bytes, lowest.peak_bytes, self.planner,
                                f"Memory-centric DP at {len(MEMORY_SCAN)} DP budgets, "
-                               "then nested where the peak occurs.")
+                               f"then nested where the peak occurs, from the "
+                               f"{REFINE_STARTS} lowest plans.")
 
     def memory_centric(self) -> Plan:
         self.memory_scan(self.floor())
