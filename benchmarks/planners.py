@@ -136,7 +136,7 @@ class Runner:
         """Median over `repeats` steps of the allocator's peak during the step."""
         import tensorflow as tf
 
-        from tfremat.memory import device_name
+        from tfremat.backend import device_name
 
         device, peaks = device_name(), []
         for _ in range(repeats):

@@ -1,4 +1,5 @@
-"""Checks that TensorFlow is installed and that Keras runs on it."""
+"""Checks that TensorFlow is installed and that Keras runs on it; names the
+device whose memory tfremat budgets."""
 
 from __future__ import annotations
 
@@ -36,3 +37,11 @@ def require_tensorflow() -> None:
             f"tfremat rewrites TensorFlow training steps, but Keras runs on the "
             f"{keras.backend.backend()!r} backend. Set KERAS_BACKEND=tensorflow before "
             "importing Keras (or set \"backend\": \"tensorflow\" in ~/.keras/keras.json).")
+
+
+def device_name() -> str:
+    """The device tfremat budgets: `"GPU:0"` when a GPU exists, else `"CPU:0"`."""
+    require_tensorflow()
+    import tensorflow as tf
+
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"

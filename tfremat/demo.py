@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 from tfremat.callbacks import Planner
-from tfremat.memory import device_name
+from tfremat.backend import device_name
 
 
 def resnet_style(image_size: int = 64, width: int = 32, blocks: tuple[int, ...] = (2, 2, 2),

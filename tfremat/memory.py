@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.backend import require_tensorflow
+from tfremat.backend import device_name, require_tensorflow
 from tfremat.core import UnsupportedModelError
 from tfremat.graph import (TRACE_ERRORS, batch_specs, step_function, target_candidates,
                            untraceable)
@@ -48,11 +48,6 @@ class MeasuredPeak:
     @property
     def peak_mb(self) -> float:
         return self.peak_bytes / 2**20
-
-
-def device_name() -> str:
-    """The device tfremat budgets: `"GPU:0"` when a GPU exists, else `"CPU:0"`."""
-    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
 
 
 def _memory_info(device: str) -> dict[str, int]:

@@ -16,7 +16,7 @@ from tfremat import api
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract
-from tfremat.memory import device_name
+from tfremat.backend import device_name
 from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
 from tfremat.rewriter import PlanInstallation

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfremat.backend import require_tensorflow
 from tfremat.graph import costs
 from tfremat.core import Node, PlanGraph, TensorInfo
+from tfremat.graph.kernels import KernelWorkspaces, measure_kernel_workspaces
 from tfremat.graph.timing import measure_layer_times
 from tfremat.graph.tracing import TracedStep, trace
 
@@ -29,7 +30,8 @@ _Root = tuple[int, int]  # (op index, output index) of the buffer's first tensor
 
 
 def extract(model: keras.Model, *, batch_size: int | None = None,
-            sample: Any = None, measure_times: bool = False) -> PlanGraph:
+            sample: Any = None, measure_times: bool = False,
+            measure_kernels: bool = True) -> PlanGraph:
     """Traces a training step of `model` and builds its PlanGraph.
 
     Nested functional models are flattened (their layers become nodes with ids
@@ -44,6 +46,10 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
         measure_times: Also run each layer call alone to measure its forward
             and backward seconds (functional and Sequential models; takes about
             a second per layer). Planners then use seconds instead of FLOPs.
+        measure_kernels: Run each distinct heavy op of the step once alone to
+            measure the scratch memory its kernel allocates (`graph/kernels.py`;
+            seconds; resets the device's peak memory statistic), and count it
+            in the workspaces of the calls. False counts only tensors.
 
     Returns:
         The `PlanGraph` of one training step.
@@ -60,17 +66,20 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
     """
     require_tensorflow()
     traced = trace(model, batch_size=batch_size, sample=sample)
-    graph = build_plan_graph(model, traced)
+    kernels = measure_kernel_workspaces(traced.ops) if measure_kernels else None
+    graph = build_plan_graph(model, traced, kernels)
     if measure_times and not graph.metadata["subclassed"]:
         measure_layer_times(model, graph)
     return graph
 
 
 class _Dataflow:
-    """Buffers (alias roots), sizes and readers of a traced step's tensors."""
+    """Buffers (alias roots), sizes and readers of a traced step's tensors, and
+    the scratch bytes of their kernels (op index -> bytes)."""
 
-    def __init__(self, ops: list[tf.Operation]) -> None:
+    def __init__(self, ops: list[tf.Operation], scratch: dict[int, int]) -> None:
         self.ops = ops
+        self.scratch = scratch
         self.index = {op.name: i for i, op in enumerate(ops)}
         self.root: dict[_Root, _Root] = {}
         self.size: dict[_Root, int] = {}
@@ -154,7 +163,8 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                          is_temporary: Any) -> int:
     """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
-    each alive from its op to its last reader among `positions`.
+    each alive from its op to its last reader among `positions`, and of the
+    scratch of their kernels, alive while each runs.
 
     An elementwise op whose temporary input dies at it writes into that input's
     buffer, as TensorFlow's kernels do when they own the only reference.
@@ -166,6 +176,8 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     last: dict[_Root, int] = {}
     for p in positions:
         op = flow.ops[p]
+        delta[local[p]] += flow.scratch.get(p, 0)
+        delta[local[p] + 1] -= flow.scratch.get(p, 0)
         for j in range(len(op.outputs)):
             r = flow.root[(p, j)]
             if r != (p, j) or not flow.size.get(r) or not is_temporary(r):
@@ -184,10 +196,12 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     return peak
 
 
-def build_plan_graph(model: keras.Model, traced: TracedStep) -> PlanGraph:
-    """Builds the PlanGraph of a traced step (see `extract`)."""
+def build_plan_graph(model: keras.Model, traced: TracedStep,
+                     kernels: KernelWorkspaces | None = None) -> PlanGraph:
+    """Builds the PlanGraph of a traced step (see `extract`); `kernels`, the
+    measured scratch of its kernels, counts in the workspaces."""
     ops = traced.ops
-    flow = _Dataflow(ops)
+    flow = _Dataflow(ops, kernels.bytes_by_op if kernels else {})
     owner = _owners(traced, flow)
     bwd = range(traced.backward_start, traced.backward_end)
 
@@ -323,6 +337,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep) -> PlanGraph:
             "trace_seconds": round(traced.seconds, 3),
             "step_ops": len(ops),
             "subclassed": not input_sites,
+            **({"kernel_workspaces": kernels.metadata()} if kernels else {}),
         })
 
 

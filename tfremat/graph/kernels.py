@@ -1,0 +1,197 @@
+"""Kernel workspaces: scratch memory a kernel allocates that the graph does not show.
+
+Some kernels allocate temporary buffers while they run, on top of their inputs
+and outputs. With TensorFlow's own CPU kernels (oneDNN off), a 3x3
+`Conv2DBackpropFilter` on a 9 MiB activation allocates 27.8 MiB of scratch, and
+a backward pass of a CNN reaches it at every convolution; on a GPU, cuDNN's
+workspaces go through the same allocator. The graph has no trace of them, so
+each distinct heavy op of the step (type, input shapes and dtypes, attributes)
+is run once alone on the budgeted device, on zeros, and its scratch is read from
+the allocator: the peak while it runs minus what is in use once it returned
+(its inputs and outputs).
+
+Ops that cannot run alone are left out: stateful ops, ops on resources or
+variants, ops calling functions (loops, conditionals) and ops whose integer
+inputs (shapes, axes) are not constants of the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context, execute
+
+from tfremat.backend import device_name
+
+#: Ops whose inputs and outputs together are smaller are not measured.
+MIN_OP_BYTES = 1 << 20
+
+#: Seconds spent measuring at most; ops left when it runs out count no scratch.
+TIME_LIMIT = 30.0
+
+_UNMEASURABLE_DTYPES = (tf.resource, tf.variant, tf.string)
+
+#: Integer inputs this small and not constant are taken for shapes or axes,
+#: which zeros would not stand in for; larger ones (labels, indices) are zeros.
+_SHAPE_LIKE_ELEMENTS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelWorkspaces:
+    """Measured scratch bytes of a step's kernels.
+
+    Attributes:
+        bytes_by_op: For each measured op with scratch (its index in the
+            step's op list), the bytes of scratch its kernel allocates.
+        device: The device measured on.
+        measured: Distinct ops run (op type, shapes and attributes).
+        skipped: Heavy ops that could not run alone or were left out when
+            the time limit passed.
+        seconds: Time the measurement took.
+    """
+
+    bytes_by_op: dict[int, int]
+    device: str
+    measured: int
+    skipped: int
+    seconds: float
+
+    def metadata(self) -> dict[str, Any]:
+        """A summary for `PlanGraph.metadata["kernel_workspaces"]`."""
+        return {"device": self.device, "measured_ops": self.measured,
+                "skipped_ops": self.skipped, "seconds": round(self.seconds, 3),
+                "largest_bytes": max(self.bytes_by_op.values(), default=0)}
+
+
+def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = None,
+                              time_limit: float = TIME_LIMIT) -> KernelWorkspaces:
+    """Runs each distinct heavy op of `ops` alone and measures its scratch.
+
+    Resets the device's peak memory statistic (`reset_memory_stats`).
+
+    Args:
+        ops: The operations of a traced step, in order.
+        device: The device to run on; default the one tfremat budgets.
+        time_limit: Seconds to spend at most.
+
+    Returns:
+        `KernelWorkspaces`. Empty when the device keeps no allocator
+        statistics (on CPU, oneDNN off without `TF_CPU_ALLOCATOR_USE_BFC=1`).
+    """
+    device = device or device_name()
+    start = time.perf_counter()
+    found: dict[tuple, int | None] = {}
+    bytes_by_op: dict[int, int] = {}
+    skipped = 0
+    try:
+        tf.config.experimental.get_memory_info(device)
+    except ValueError:
+        return KernelWorkspaces({}, device, 0, 0, 0.0)
+    with context.eager_mode(), tf.device(device):
+        for index, op in enumerate(ops):
+            call = _runnable(op)
+            if call is None:
+                continue
+            key = call.key()
+            if key not in found:
+                if time.perf_counter() - start > time_limit:
+                    skipped += 1
+                    continue
+                found[key] = call.scratch_bytes(device)
+            if found[key] is None:
+                skipped += 1
+            elif found[key] > 0:
+                bytes_by_op[index] = found[key]
+    measured = sum(1 for v in found.values() if v is not None)
+    return KernelWorkspaces(bytes_by_op, device, measured, skipped,
+                            time.perf_counter() - start)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One graph op, as an eager call: its type, inputs and attributes."""
+
+    op_type: str
+    inputs: list[tuple[tf.DType, tuple[int, ...], Any]]  # dtype, shape, constant value
+    attrs: list[Any]
+    num_outputs: int
+
+    def key(self) -> tuple:
+        consts = tuple(None if c is None else c.tobytes() for _, _, c in self.inputs)
+        return (self.op_type, tuple((d.name, s) for d, s, _ in self.inputs), consts,
+                repr(self.attrs))
+
+    def scratch_bytes(self, device: str) -> int | None:
+        """Peak bytes in use while the op runs, beyond what it leaves in use;
+        None if it does not run."""
+        try:
+            args = [tf.constant(c, dtype=d) if c is not None else tf.zeros(s, d)
+                    for d, s, c in self.inputs]
+            run = functools.partial(execute.execute, self.op_type, self.num_outputs, args,
+                                    tuple(self.attrs), context.context(),
+                                    name="tfremat_kernel")
+            run()  # first-use allocations
+            tf.config.experimental.reset_memory_stats(device)
+            outputs = run()
+            info = tf.config.experimental.get_memory_info(device)
+            del outputs
+        except (tf.errors.OpError, TypeError, ValueError):
+            return None
+        return max(0, int(info["peak"] - info["current"]))
+
+
+def _runnable(op: tf.Operation) -> _Call | None:
+    """`op` as an eager call, if it is heavy and can run alone."""
+    if not op.inputs or not op.outputs or op.op_def.is_stateful:
+        return None
+    tensors = list(op.inputs) + list(op.outputs)
+    if any(t.dtype in _UNMEASURABLE_DTYPES for t in tensors):
+        return None
+    if any(not t.shape.is_fully_defined() for t in tensors):
+        return None
+    size = sum(t.shape.num_elements() * t.dtype.size for t in tensors)
+    if size < MIN_OP_BYTES:
+        return None
+    inputs = []
+    for t in op.inputs:
+        value = None
+        if t.dtype.is_integer or t.dtype == tf.bool:
+            value = _static_value(t)
+            if value is None and t.shape.num_elements() <= _SHAPE_LIKE_ELEMENTS:
+                return None  # a shape or axes computed at run time
+        inputs.append((t.dtype, tuple(t.shape.as_list()), value))
+    attrs = []
+    for name in sorted(op.node_def.attr):
+        if name.startswith("_"):
+            continue
+        kind = op.node_def.attr[name].WhichOneof("value")
+        if kind in ("func", "tensor", "shape", "placeholder"):
+            return None
+        if kind == "list" and (op.node_def.attr[name].list.func
+                               or op.node_def.attr[name].list.shape
+                               or op.node_def.attr[name].list.tensor):
+            return None
+        value = op.get_attr(name)
+        if isinstance(value, tf.DType):
+            value = value.as_datatype_enum
+        elif isinstance(value, list) and value and isinstance(value[0], tf.DType):
+            value = [v.as_datatype_enum for v in value]
+        attrs += [name, value]
+    return _Call(op.type, inputs, attrs, len(op.outputs))
+
+
+def _static_value(t: tf.Tensor) -> Any:
+    """`t`'s value if the graph fixes it, else None: constants, and the
+    shapes that `Shape` and `ShapeN` (made by the convolutions' gradients) read
+    off fully defined tensors."""
+    if t.op.type == "ShapeN":
+        shape = t.op.inputs[t.value_index].shape
+        if shape.is_fully_defined():
+            return np.array(shape.as_list(), dtype=t.dtype.as_numpy_dtype)
+        return None
+    return tf.get_static_value(t)
