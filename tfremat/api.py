@@ -6,20 +6,21 @@ and objective names), so that a bad argument is reported where it was given.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.core import MIB, Plan, PlanGraph
+from tfremat.core import MIB, BudgetError, Plan, PlanGraph
 from tfremat.graph import extract
 from tfremat.planners import OBJECTIVES, PLANNERS, make_plan, progress
-from tfremat.rewriter import rewrite_model
+from tfremat.rewriter import PlanInstallation, rewrite_model
 
 logger = logging.getLogger("tfremat")
 
@@ -64,7 +65,8 @@ def deprecated_strategy(strategy: str | None, objective: str) -> str:
 def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", objective: str = "time",
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
-         graph: PlanGraph | None = None, strategy: str | None = None) -> Plan:
+         graph: PlanGraph | None = None, measure: bool = False, max_trials: int = 3,
+         strategy: str | None = None) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
     Args:
@@ -90,6 +92,14 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             tries, the DPs' progress) once it has taken more than two seconds;
             2 shows it at once and leaves it on screen.
         graph: The model's PlanGraph, if already extracted.
+        measure: Measure, then choose: run the planned step (and, when it
+            measures over the budget, plans made for lower budgets) on data of
+            the batch's shapes, restoring every variable afterwards
+            (`tfremat.measure_peak`), and return the plan of least predicted
+            overhead whose measured peak fits. The simulator misses what
+            kernels and the allocator do in ways it cannot see (XLA, cuDNN
+            workspaces, the allocator's rounding); this catches it.
+        max_trials: Most plans measured when `measure` is True.
         strategy: Deprecated name of `objective`.
 
     Inside the `scope()` of a `tf.distribute.MultiWorkerMirroredStrategy`,
@@ -105,7 +115,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     Raises:
         TypeError, ValueError: a bad budget, planner, objective or offload.
         BudgetError: the budget is below the smallest feasible one; the message
-            and `.min_budget_mb` say what that minimum is.
+            and `.min_budget_mb` say what that minimum is (with `measure`, the
+            lowest measured peak plus 5% when no measured plan fits).
 
     Example:
 
@@ -124,12 +135,124 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             graph = extract(model, batch_size=batch_size, sample=sample)
             if traced:
                 traced(1)
-        result = make_plan(graph, int(budget_mb * MIB), planner=planner,
-                           objective=objective, time_limit=time_limit, verbose=verbose,
-                           **settings)
+        def make(budget_bytes: int, objective: str = objective) -> Plan:
+            return make_plan(graph, budget_bytes, planner=planner, objective=objective,
+                             time_limit=time_limit, verbose=verbose, **settings)
+
+        result = make(int(budget_mb * MIB))
+        if measure:
+            result = measured_choice(model, result, make, batch_size=batch_size,
+                                     sample=sample, max_trials=max_trials)
     result = chief_plan(result, graph)
     result.graph = graph
     return result
+
+
+#: How much the same plan's measured peak moves from one measurement to the next
+#: (the order in which ready operations run varies): up to 2% measured on CPU.
+MEASURED_SPREAD = 0.05
+
+#: Budgets, as fractions of the budget, of the plans `measured_choice` may try
+#: after the first, before the plan of lowest predicted peak.
+TRIAL_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], *,
+                    batch_size: int | None = None, sample: Any = None,
+                    max_trials: int = 3) -> Plan:
+    """The plan of least predicted overhead whose measured peak fits the budget.
+
+    `first` (planned for the budget) is measured first. While the last plan
+    measured exceeds the budget, the next one tried is the fastest candidate
+    (planned for `TRIAL_FRACTIONS` of the budget, then for the lowest peak)
+    whose prediction, scaled by the last measured-to-predicted ratio, fits;
+    the plan of lowest predicted peak is the last resort. At most
+    `max_trials` plans are measured (`PlanInstallation.measure_peak`, which
+    leaves every variable as it was).
+
+    Args:
+        model: The compiled model.
+        first: The plan made for the budget.
+        make: `make(budget_bytes, objective=...)` plans for another budget.
+        batch_size: Batch size, when shapes come from `model.inputs`.
+        sample: One batch `(x, y)` or a `tf.data.Dataset`.
+        max_trials: Most plans measured.
+
+    Returns:
+        The chosen plan; its estimate details hold `"measured_peak_bytes"` and
+        `"trials"` (predicted and measured bytes of each plan measured).
+
+    Raises:
+        BudgetError: no plan measured fits; the minimum stated is the lowest
+            measured peak plus `MEASURED_SPREAD`.
+    """
+    budget = first.budget_bytes
+    candidates = _candidates(first, make)
+    trials: list[tuple[Plan, int]] = []
+    ratio = 1.0
+    while candidates and len(trials) < max(1, max_trials):
+        if not trials:
+            plan = candidates.pop(0)
+        else:
+            fitting = [p for p in candidates if p.peak_bytes * ratio <= budget]
+            last_chance = len(trials) == max_trials - 1
+            plan = fitting[0] if fitting and not last_chance else candidates[-1]
+            candidates.remove(plan)
+        # XLA ignores device placement: offload runs without it (as the Planner does).
+        jit = False if plan.offloaded and model.jit_compile is True else None
+        measured = PlanInstallation(model, plan, jit_compile=jit).measure_peak(
+            batch_size=batch_size, sample=sample, repeats=1)
+        trials.append((plan, measured))
+        logger.info("Measured a plan predicted at %.1f MiB: %.1f MiB (budget %.1f MiB).",
+                    plan.peak_bytes / MIB, measured / MIB, budget / MIB)
+        if measured <= budget:
+            break
+        ratio = measured / max(plan.peak_bytes, 1)
+    record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
+               "overhead": p.estimates.overhead if p.estimates else 0.0}
+              for p, m in trials]
+    fitting = [(p, m) for p, m in trials if m <= budget]
+    if not fitting:
+        lowest = min(m for _, m in trials)
+        raise BudgetError(
+            budget, math.ceil(lowest * (1 + MEASURED_SPREAD)), first.planner,
+            f"Measured {len(trials)} plan(s) on the device: "
+            + ", ".join(f"predicted {r['predicted_bytes'] / MIB:.1f} MiB -> measured "
+                        f"{r['measured_bytes'] / MIB:.1f} MiB" for r in record)
+            + f". The stated minimum is the lowest measured peak plus "
+              f"{MEASURED_SPREAD:.0%}, the spread of one plan measured again.")
+    chosen, measured = fitting[0]
+    if chosen.estimates is not None:
+        chosen.estimates = dataclasses.replace(chosen.estimates, details={
+            **chosen.estimates.details, "measured_peak_bytes": measured, "trials": record,
+            "planned_for_bytes": chosen.budget_bytes})
+    chosen.budget_bytes = budget
+    return chosen
+
+
+def _candidates(first: Plan, make: Callable[..., Plan]) -> list[Plan]:
+    """`first`, plans for lower budgets and the plan of lowest predicted peak,
+    each once, least predicted overhead first (the lowest peak last)."""
+    budget = first.budget_bytes
+    plans = [first]
+    for fraction in TRIAL_FRACTIONS:
+        try:
+            plans.append(make(int(budget * fraction)))
+        except BudgetError as e:
+            try:
+                plans.append(make(e.min_budget_bytes, objective="memory"))
+            except BudgetError:
+                pass
+            break
+    unique: dict[str, Plan] = {}
+    for p in plans:
+        unique.setdefault(repr((p.segments, p.offloaded)), p)
+    ordered = sorted(unique.values(), key=lambda p: (p.estimates.overhead if p.estimates
+                                                    else 0.0, -p.peak_bytes))
+    lowest = min(ordered, key=lambda p: p.peak_bytes)
+    ordered.remove(lowest)
+    return [first] + [p for p in ordered if p is not first] + (
+        [lowest] if lowest is not first else [])
 
 
 def chief_plan(local: Plan, graph: PlanGraph) -> Plan:

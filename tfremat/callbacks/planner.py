@@ -27,8 +27,9 @@ class Planner(keras.callbacks.Callback):
     """Makes each training step of `fit` fit a device memory budget.
 
     At the first batch the callback traces one step with the real batch shape,
-    plans what to recompute under the budget, and makes THIS `fit` train with the
-    plan: the model's train function runs a rewritten graph sharing the same
+    plans what to recompute under the budget, measures the plan's step (and
+    lower plans while it measures over the budget; `measure`), and makes THIS
+    `fit` train with the fastest plan that fits: the model's train function runs a rewritten graph sharing the same
     layers and weights. The model object keeps its identity, weights, optimizer,
     loss and metrics, and is exactly the model you had once `fit` returns, also
     when a step raises or you press Ctrl-C (predict, evaluate, save and a plain
@@ -74,6 +75,13 @@ class Planner(keras.callbacks.Callback):
         log_batches: Also add them to the logs of every batch.
         replan: Re-plan when the measured peak exceeds the budget.
         max_replans: How many times to re-plan at most.
+        measure: Measure, then choose (`tfremat.plan(..., measure=True)`):
+            before training, run the planned step on zeros of the first
+            batch's shapes, and plans for lower budgets while it measures over
+            the budget, every variable restored after each; train with the
+            fastest plan that measured within the budget. Not done under a
+            `tf.distribute` strategy with several replicas.
+        max_trials: Most plans measured before training.
         strategy: Deprecated name of `objective`.
 
     Attributes:
@@ -99,8 +107,9 @@ class Planner(keras.callbacks.Callback):
 
     def __init__(self, budget_mb: float, *, planner: str = "auto", objective: str = "time",
                  offload: bool | str = "auto", verbose: int = 1, export: str | None = None,
-                 plot: str | None = None, log_memory: bool = True, log_batches: bool = False, replan: bool = True,
-                 max_replans: int = 2, strategy: str | None = None) -> None:
+                 plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
+                 replan: bool = True, max_replans: int = 2, measure: bool = True,
+                 max_trials: int = 3, strategy: str | None = None) -> None:
         super().__init__()
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Keras's fit fails before any callback runs (in its symbolic build),
@@ -126,6 +135,8 @@ class Planner(keras.callbacks.Callback):
         self.log_batches = log_batches
         self.replan = replan
         self.max_replans = max_replans
+        self.measure = measure
+        self.max_trials = max_trials
         self.device = device_name()
         self._reset()
 
@@ -289,14 +300,20 @@ class Planner(keras.callbacks.Callback):
             self.graph = extract(model, sample=sample)
             if traced:
                 traced(1)
-            plan = self._plan(self.budget_mb)
+            plan = self._plan(self.budget_mb, sample=sample)
         self._install(plan)
         return self._iterator_of(batches, static)
 
-    def _plan(self, budget_mb: float, objective: str | None = None) -> Plan:
+    def _plan(self, budget_mb: float, objective: str | None = None,
+              sample: Any = None) -> Plan:
+        """A plan for `budget_mb`; measured, then chosen, when `sample` (zeros
+        of the first batch) is given and the callback measures."""
+        measure = (self.measure and sample is not None
+                   and self.model.distribute_strategy.num_replicas_in_sync == 1)
         return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
                         objective=objective or self.objective, offload=self.offload,
-                        verbose=self.verbose)
+                        verbose=self.verbose, sample=sample if measure else None,
+                        measure=measure, max_trials=self.max_trials)
 
     def _install(self, plan: Plan) -> None:
         jit_compile = None
@@ -329,6 +346,13 @@ class Planner(keras.callbacks.Callback):
             else:
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
+            trials = plan.estimates.details.get("trials") if plan.estimates else None
+            if trials:
+                io_utils.print_msg(
+                    "tfremat: measured before training: " + "; ".join(
+                        f"predicted {t['predicted_bytes'] / MIB:.1f} MiB -> "
+                        f"{t['measured_bytes'] / MIB:.1f} MiB" for t in trials)
+                    + f" (budget {self.budget_mb:.1f} MiB).")
         if self.export:
             try:
                 self.picture = write_picture(plan, self.export, graph=self.graph)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import keras
 
 from tfremat.core import Plan
+from tfremat.memory import measure_peak
 from tfremat.rewriter.rewriting import rewrite_model
 
 
@@ -76,6 +77,35 @@ class PlanInstallation:
         calls once `install()` made it the model's train function)."""
         with self._patched_call():
             return self._planned(iterator)
+
+    def measure_peak(self, *, batch_size: int | None = None, sample: Any = None,
+                     repeats: int = 2) -> int:
+        """Measures the device peak of the planned step, installed or not.
+
+        `tfremat.measure_peak` runs the model's own training step (its loss,
+        metrics and optimizer) with the rewritten call, and restores every
+        variable the step touched: the model trains afterwards as if nothing
+        had run.
+
+        Args:
+            batch_size: Batch size, when shapes come from `model.inputs`.
+            sample: One batch `(x, y)` or a `tf.data.Dataset`; random data of
+                its shapes is used.
+            repeats: Measured steps after a warm-up step.
+
+        Returns:
+            Peak bytes of the device during a step.
+        """
+        model = self.model
+        saved_jit = model.jit_compile
+        try:
+            if self.jit_compile is not None:
+                model.jit_compile = self.jit_compile
+            with self._patched_call():
+                return measure_peak(model, batch_size=batch_size, sample=sample,
+                                    repeats=repeats)
+        finally:
+            model.jit_compile = saved_jit
 
     def restore(self) -> None:
         """Puts the model's own train function back (safe to call twice)."""

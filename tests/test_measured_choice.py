@@ -1,0 +1,150 @@
+"""Measure, then choose: `tfremat.plan(..., measure=True)` and the Planner measure
+candidate plans on the device and keep the fastest that fits, leaving the model
+as it was."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import tfremat
+from tfremat import api
+from tfremat.core import MIB, BudgetError
+from tfremat.planners import make_plan
+
+from tests.planners import graphs as G
+
+
+def cnn() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((32, 32, 3))
+    x = inp
+    for i in range(6):
+        x = keras.layers.Conv2D(16, 3, padding="same", name=f"c{i}")(x)
+        x = keras.layers.BatchNormalization(name=f"bn{i}")(x)
+        x = keras.layers.ReLU(name=f"r{i}")(x)
+    out = keras.layers.Dense(10, name="head")(keras.layers.GlobalAveragePooling2D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+SAMPLE = (np.zeros((32, 32, 32, 3), "float32"), np.zeros((32,), "int32"))
+
+
+def state(model: keras.Model) -> list[np.ndarray]:
+    variables = model.variables + model.optimizer.variables + [
+        v for m in model.metrics for v in m.variables]
+    return [np.array(v.numpy(), copy=True) for v in variables]
+
+
+class FakeInstallation:
+    """Stands in for PlanInstallation: 'measures' the prediction times FACTOR."""
+
+    factor = 1.3
+    measured: list = []
+
+    def __init__(self, model, plan, *, jit_compile=None):
+        self.plan = plan
+
+    def measure_peak(self, **kwargs):
+        FakeInstallation.measured.append(self.plan)
+        return int(self.plan.peak_bytes * self.factor)
+
+
+@pytest.fixture
+def fake_measure(monkeypatch):
+    FakeInstallation.measured = []
+    monkeypatch.setattr(api, "PlanInstallation", FakeInstallation)
+    return FakeInstallation
+
+
+def choose(graph, budget_bytes, max_trials=3):
+    def make(b, objective="time"):
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    return api.measured_choice(None, make(budget_bytes), make, max_trials=max_trials)
+
+
+@pytest.mark.parametrize("fraction", [0.55, 0.65, 0.8])
+def test_the_fastest_plan_whose_measurement_fits_is_chosen(fake_measure, fraction):
+    graph = G.resnet_like(8)
+    budget = int(tfremat.simulate(graph).peak_bytes * fraction)
+    try:
+        chosen = choose(graph, budget)
+    except BudgetError as e:
+        # Nothing measured fits: the minimum stated is the lowest measurement.
+        lowest = min(int(p.peak_bytes * 1.3) for p in fake_measure.measured)
+        assert e.min_budget_bytes == math.ceil(lowest * (1 + api.MEASURED_SPREAD))
+        assert e.min_budget_bytes > budget
+        return
+    tried = fake_measure.measured
+    assert 1 <= len(tried) <= 3 and tried[-1] is chosen
+    assert int(chosen.peak_bytes * 1.3) <= budget < int(tried[0].peak_bytes * 1.3) or \
+        len(tried) == 1
+    assert chosen.budget_bytes == budget
+    details = chosen.estimates.details
+    assert details["measured_peak_bytes"] == int(chosen.peak_bytes * 1.3)
+    assert [t["measured_bytes"] for t in details["trials"]] == [
+        int(p.peak_bytes * 1.3) for p in tried]
+    # No plan tried before it both fits and is faster.
+    for p in tried[:-1]:
+        assert int(p.peak_bytes * 1.3) > budget
+
+
+def test_a_budget_the_measurement_cannot_meet_states_a_minimum_that_is_met(fake_measure):
+    graph = G.resnet_like(8)
+    floor = None
+    try:
+        make_plan(graph, 1, planner="approx-dp", objective="memory")
+    except BudgetError as e:
+        floor = e.min_budget_bytes
+    budget = int(floor * 1.1)  # the prediction fits, the measurement (x1.3) not
+    with pytest.raises(BudgetError, match="Measured .* plan") as caught:
+        choose(graph, budget)
+    minimum = caught.value.min_budget_bytes
+    assert minimum > budget
+    fake_measure.measured = []
+    chosen = choose(graph, minimum)
+    assert int(chosen.peak_bytes * 1.3) <= minimum
+
+
+def test_at_most_max_trials_plans_are_measured(fake_measure):
+    FakeInstallation.factor = 10.0
+    try:
+        graph = G.resnet_like(8)
+        with pytest.raises(BudgetError):
+            choose(graph, int(tfremat.simulate(graph).peak_bytes * 0.7), max_trials=2)
+        assert len(fake_measure.measured) == 2
+    finally:
+        FakeInstallation.factor = 1.3
+
+
+def test_measuring_leaves_weights_optimizer_and_metrics_bit_identical():
+    model = cnn()
+    model.fit(*SAMPLE, epochs=1, verbose=0)  # optimizer slots and metrics non-zero
+    before = state(model)
+    plain = tfremat.measure_peak(model, sample=SAMPLE)
+    plan = tfremat.plan(model, 0.75 * plain / MIB, sample=SAMPLE, measure=True)
+    after = state(model)
+    assert len(before) == len(after)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    details = plan.estimates.details
+    assert details["trials"] and details["measured_peak_bytes"] <= plan.budget_bytes
+
+
+def test_the_planner_trains_with_a_measured_plan_exactly_as_plain():
+    plain_model, planned_model = cnn(), cnn()
+    x = np.random.default_rng(0).standard_normal((64, 32, 32, 3)).astype("float32")
+    y = np.arange(64) % 10
+    plain_model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    peak = tfremat.measure_peak(planned_model, sample=(x[:32], y[:32]))
+    planner = tfremat.Planner(0.8 * peak / MIB, verbose=0)
+    planned_model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[planner])
+    assert planner.plan.estimates.details.get("trials"), planner.plan.estimates
+    for a, b in zip(plain_model.variables, planned_model.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
