@@ -34,6 +34,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfremat  # noqa: E402
+from tfremat.planners import min_feasible_budget  # noqa: E402
 
 
 def cnn(size: int, width: int) -> keras.Model:
@@ -65,10 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     # The per-device budget, from the prediction for one replica's share.
     graph = tfremat.extract(model, batch_size=global_batch // replicas)
     plain = tfremat.simulate(graph)
-    try:
-        tfremat.plan(model, 1, graph=graph, planner="chen-sqrt")
-    except tfremat.BudgetError as err:
-        budget = (plain.peak_mb + err.min_budget_mb) / 2
+    # Halfway between the plain step and the lowest peak chen-sqrt reaches.
+    budget = (plain.peak_bytes + min_feasible_budget(graph, "chen-sqrt")) / 2 / 2**20
     print(f"{replicas} replicas on {devices}; per-device batch {global_batch // replicas}; "
           f"plain step predicted {plain.peak_mb:.1f} MiB per device; budget {budget:.1f} MiB "
           "per device")
