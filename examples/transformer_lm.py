@@ -7,6 +7,8 @@ recompute replays the forward pass's mask).
 
     python examples/transformer_lm.py            # 4 blocks, 256 tokens, batch 16
     python examples/transformer_lm.py --smoke    # tiny, a few seconds
+
+The full size takes 2-3 minutes on 2 CPU cores; --smoke, seconds.
 """
 
 from __future__ import annotations
