@@ -16,6 +16,8 @@ process has its own allocator).
 
     python examples/multi_worker.py           # global batch 4096, 20 steps
     python examples/multi_worker.py --smoke   # global batch 2048, 3 steps
+
+The full size takes about 20 seconds on 2 CPU cores; --smoke, seconds.
 """
 
 from __future__ import annotations
@@ -40,18 +42,41 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def run_workers(command: list[str], n: int = 2, timeout: float = 600,
+                **popen_kwargs) -> list[tuple[int, str]]:
+    """Runs `n` worker processes of one cluster on localhost and waits for them.
+
+    Worker i runs `command + ["--worker", str(i), "--ports", ports]`, `ports`
+    being n free localhost ports, one per worker in TF_CONFIG's order. Workers
+    still running when this returns or fails (a timeout) are killed.
+    `tests/distribute/test_multi_worker.py` starts its workers with it too.
+
+    Returns:
+        Each worker's exit code and standard output.
+    """
+    ports = ",".join(map(str, free_ports(n)))
+    procs = [subprocess.Popen(command + ["--worker", str(i), "--ports", ports],
+                              stdout=subprocess.PIPE, text=True, **popen_kwargs)
+             for i in range(n)]
+    results = []
+    try:
+        for p in procs:
+            out = p.communicate(timeout=timeout)[0]
+            results.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
 def launch(smoke: bool) -> None:
     """Starts the workers, waits for them and prints what each reported."""
-    ports = ",".join(map(str, free_ports(2)))
-    procs = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", str(i), "--ports", ports]
-        + (["--smoke"] if smoke else []), stdout=subprocess.PIPE, text=True)
-        for i in range(2)]
     reports = []
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        if p.returncode != 0:
-            sys.exit(f"a worker failed (exit code {p.returncode})")
+    for code, out in run_workers([sys.executable, __file__] + (["--smoke"] if smoke else [])):
+        if code != 0:
+            sys.exit(f"a worker failed (exit code {code})")
         reports.append(json.loads(out.strip().splitlines()[-1]))
     for r in reports:
         print(f"worker {r['worker']}: plan {r['fingerprint']} with {r['segments']} "

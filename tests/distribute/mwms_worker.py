@@ -1,13 +1,14 @@
 """One worker of a 2-worker MultiWorkerMirroredStrategy run (tests/distribute).
 
-Run as `python -m tests.distribute.mwms_worker --index I --ports P0,P1 --out F`.
+Run as `python -m tests.distribute.mwms_worker --out DIR --worker I --ports P0,P1`
+(started by examples/multi_worker.py's `run_workers`).
 In the strategy's scope it builds an MLP whose activations dominate its memory,
 plans it with `tfremat.plan` under 70% of its predicted plain peak, rewrites it
 with `tfremat.rewrite`, and trains STEPS steps of a custom loop (`strategy.run`)
 on its half of each global batch, measuring this process's CPU allocator peak.
 Then it trains the plain model from the same initial weights on the same
-batches, tries to make a `tfremat.Planner` for fit, and writes the results to F as
-JSON.
+batches, tries to make a `tfremat.Planner` for fit, and writes the results to
+DIR/I.json.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ FEATURES = 128
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--ports", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports.split(",")]},
-        "task": {"type": "worker", "index": args.index}})
+        "task": {"type": "worker", "index": args.worker}})
 
     import keras
     import numpy as np
@@ -59,7 +60,7 @@ def main() -> None:
     rng = np.random.default_rng(1)
     xs = rng.standard_normal((STEPS, GLOBAL_BATCH, FEATURES)).astype("float32")
     ys = rng.standard_normal((STEPS, GLOBAL_BATCH, 8)).astype("float32")
-    mine = slice(args.index * per_worker, (args.index + 1) * per_worker)
+    mine = slice(args.worker * per_worker, (args.worker + 1) * per_worker)
 
     def train(net: keras.Model) -> tuple[list[np.ndarray], float]:
         """STEPS SGD steps of a custom loop; this worker's peak after the first."""
@@ -102,7 +103,7 @@ def main() -> None:
     except RuntimeError as e:
         fit_error = str(e)
     moved = float(max(np.max(np.abs(a - b)) for a, b in zip(plain_weights, initial)))
-    with open(args.out, "w") as f:
+    with open(os.path.join(args.out, f"{args.worker}.json"), "w") as f:
         json.dump({
             "workers": workers, "per_worker_batch": per_worker,
             "batch_shape": graph.metadata["batch_shape"],

@@ -9,10 +9,10 @@ About 35 s on 2 cores.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -21,36 +21,24 @@ import pytest
 ROOT = pathlib.Path(__file__).parent.parent.parent
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+def example_launcher():
+    """`run_workers` of examples/multi_worker.py (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("multi_worker_example",
+                                                  ROOT / "examples" / "multi_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run_workers
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("mwms")
-    ports = ",".join(map(str, free_ports(2)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.distribute.mwms_worker", "--index", str(i),
-         "--ports", ports, "--out", str(out / f"{i}.json")],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    results = example_launcher()(
+        [sys.executable, "-m", "tests.distribute.mwms_worker", "--out", str(out)],
+        timeout=300, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
+    for code, log in results:
+        assert code == 0, log[-4000:]
     return [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
 
 

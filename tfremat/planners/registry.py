@@ -101,6 +101,11 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
 def min_feasible_budget(graph: PlanGraph, planner: str = "auto", **settings: Any) -> int:
     """The smallest budget in bytes the planner meets on `graph`.
 
+    The same figure a `BudgetError` carries as `min_budget_bytes`, without
+    having to provoke one. `"chen-sqrt"` answers at once; `"auto"` runs every
+    planner it would try (with host offload unless `offload=False`), which
+    can take as long as planning.
+
     Args:
         graph: The PlanGraph.
         planner: `"auto"` or a key of `PLANNERS`.
@@ -108,6 +113,14 @@ def min_feasible_budget(graph: PlanGraph, planner: str = "auto", **settings: Any
 
     Returns:
         The smallest simulated peak the planner reaches, in bytes.
+
+    Example:
+
+    >>> from tfremat.planners import min_feasible_budget
+    >>> graph = tfremat.extract(model, batch_size=16)
+    >>> lowest = min_feasible_budget(graph, "chen-sqrt")
+    >>> plan = tfremat.plan(model, budget_mb=lowest / 2**20, graph=graph,
+    ...                     planner="chen-sqrt")
     """
     try:
         plan = make_plan(graph, 0, planner, **settings)
