@@ -10,6 +10,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# As importing tfremat does (TensorFlow starts below, before tfremat is imported):
+# allocator statistics on CPUs where oneDNN is off.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 import pytest  # noqa: E402
 

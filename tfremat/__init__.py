@@ -7,12 +7,20 @@ original's weights.
 Parts that need TensorFlow load on first use, so `tfremat.simulate`, the
 planners and `PlanGraph` work without it. When TensorFlow is there, importing
 tfremat registers its Keras layers, so saved rewritten models load.
+
+Importing tfremat sets `TF_CPU_ALLOCATOR_USE_BFC=1` unless it is set already:
+on CPUs where TensorFlow runs without oneDNN, its default CPU allocator keeps
+no statistics, and tfremat could then predict memory but never measure it.
+It takes effect when TensorFlow has not run an operation yet.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 from tfremat.core import (BackendError, BudgetError, Node, Offload, Plan, PlanEstimate,
                           PlanGraph, PlanMismatchError, PlanValidationError, Segment,

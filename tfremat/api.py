@@ -141,8 +141,12 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
 
         result = make(int(budget_mb * MIB))
         if measure:
-            result = measured_choice(model, result, make, batch_size=batch_size,
-                                     sample=sample, max_trials=max_trials)
+            try:
+                result = measured_choice(model, result, make, batch_size=batch_size,
+                                         sample=sample, max_trials=max_trials)
+            except BudgetError as e:
+                e.measured_plan.graph = graph
+                raise
     result = chief_plan(result, graph)
     result.graph = graph
     return result
@@ -184,7 +188,8 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
 
     Raises:
         BudgetError: no plan measured fits; the minimum stated is the lowest
-            measured peak plus `MEASURED_SPREAD`.
+            measured peak plus `MEASURED_SPREAD`, and `.measured_plan` is the
+            plan that measured lowest.
     """
     budget = first.budget_bytes
     candidates = _candidates(first, make)
@@ -212,21 +217,22 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
                "overhead": p.estimates.overhead if p.estimates else 0.0}
               for p, m in trials]
     fitting = [(p, m) for p, m in trials if m <= budget]
-    if not fitting:
-        lowest = min(m for _, m in trials)
-        raise BudgetError(
-            budget, math.ceil(lowest * (1 + MEASURED_SPREAD)), first.planner,
-            f"Measured {len(trials)} plan(s) on the device: "
-            + ", ".join(f"predicted {r['predicted_bytes'] / MIB:.1f} MiB -> measured "
-                        f"{r['measured_bytes'] / MIB:.1f} MiB" for r in record)
-            + f". The stated minimum is the lowest measured peak plus "
-              f"{MEASURED_SPREAD:.0%}, the spread of one plan measured again.")
-    chosen, measured = fitting[0]
+    chosen, measured = fitting[0] if fitting else min(trials, key=lambda t: t[1])
     if chosen.estimates is not None:
         chosen.estimates = dataclasses.replace(chosen.estimates, details={
             **chosen.estimates.details, "measured_peak_bytes": measured, "trials": record,
             "planned_for_bytes": chosen.budget_bytes})
     chosen.budget_bytes = budget
+    if not fitting:
+        error = BudgetError(
+            budget, math.ceil(measured * (1 + MEASURED_SPREAD)), first.planner,
+            f"Measured {len(trials)} plan(s) on the device: "
+            + ", ".join(f"predicted {r['predicted_bytes'] / MIB:.1f} MiB -> measured "
+                        f"{r['measured_bytes'] / MIB:.1f} MiB" for r in record)
+            + f". The stated minimum is the lowest measured peak plus "
+              f"{MEASURED_SPREAD:.0%}, the spread of one plan measured again.")
+        error.measured_plan = chosen
+        raise error
     return chosen
 
 

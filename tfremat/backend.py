@@ -1,5 +1,5 @@
 """Checks that TensorFlow is installed and that Keras runs on it; names the
-device whose memory tfremat budgets."""
+device whose memory tfremat budgets and says whether its allocator can be read."""
 
 from __future__ import annotations
 
@@ -45,3 +45,26 @@ def device_name() -> str:
     import tensorflow as tf
 
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+#: Why a device may keep no allocator statistics, and how to get them.
+NO_STATS_HINT = (
+    "On CPU, TensorFlow keeps them only with oneDNN on (its default on some Intel "
+    "CPUs only) or with TensorFlow's BFC allocator: set TF_CPU_ALLOCATOR_USE_BFC=1 "
+    "before TensorFlow starts (the tfremat command does).")
+
+
+def memory_stats_available(device: str) -> bool:
+    """Whether TensorFlow keeps allocator statistics (`get_memory_info`) for `device`.
+
+    GPUs always do. CPUs do with oneDNN on or `TF_CPU_ALLOCATOR_USE_BFC=1`
+    (`NO_STATS_HINT`); without them nothing can be measured, only predicted.
+    """
+    require_tensorflow()
+    import tensorflow as tf
+
+    try:
+        tf.config.experimental.get_memory_info(device)
+    except ValueError:
+        return False
+    return True

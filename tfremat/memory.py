@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.backend import device_name, require_tensorflow
+from tfremat.backend import NO_STATS_HINT, device_name, require_tensorflow
 from tfremat.core import UnsupportedModelError
 from tfremat.graph import (TRACE_ERRORS, batch_specs, step_function, target_candidates,
                            untraceable)
@@ -55,9 +55,8 @@ def _memory_info(device: str) -> dict[str, int]:
         return tf.config.experimental.get_memory_info(device)
     except ValueError as e:
         raise RuntimeError(
-            f"TensorFlow keeps no allocator statistics for {device} ({e}). On CPU they "
-            "need oneDNN (do not set TF_ENABLE_ONEDNN_OPTS=0) or "
-            "TF_CPU_ALLOCATOR_USE_BFC=1.") from e
+            f"TensorFlow keeps no allocator statistics for {device} ({e}), so its "
+            f"memory cannot be measured. {NO_STATS_HINT}") from e
 
 
 def measure_step(run: Callable[[], Any], *, device: str | None = None,

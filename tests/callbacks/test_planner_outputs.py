@@ -64,3 +64,47 @@ def test_tensorboard_gets_the_plan_the_timeline_and_the_peaks(fitted):
     assert image[2][:8] == PNG_MAGIC and int(image[0]) > 100
     # Keras's own scalars went to the same run.
     assert "epoch_loss" in found
+
+
+NO_STATS_FIT = """
+import json, warnings
+import keras, numpy as np, tensorflow as tf
+import tfremat
+x = np.random.default_rng(0).normal(size=(64, 32, 32, 3)).astype("float32")
+y = np.zeros((64,), "int64")
+inputs = keras.Input((32, 32, 3))
+h = inputs
+for _ in range(4):
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(h)
+outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+model = keras.Model(inputs, outputs)
+model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+graph = tfremat.extract(model, batch_size=16)
+planner = tfremat.Planner(0.85 * tfremat.simulate(graph).peak_mb, verbose=0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[planner])
+print(json.dumps({"logs": sorted(history.history), "segments": len(planner.plan.segments),
+                  "warnings": [str(w.message) for w in caught],
+                  "peaks": planner.epoch_peaks_mb}))
+"""
+
+
+def test_without_allocator_statistics_it_trains_with_the_predicted_plan_and_says_so():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # TensorFlow's default CPU allocator without oneDNN keeps no statistics.
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "0",
+           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-c", NO_STATS_FIT], env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["segments"] > 0
+    assert "predicted_peak_mb" in result["logs"] and "peak_memory_mb" not in result["logs"]
+    assert result["peaks"] == []
+    assert any("keeps no allocator statistics for CPU:0" in w
+               and "TF_CPU_ALLOCATOR_USE_BFC=1" in w for w in result["warnings"])

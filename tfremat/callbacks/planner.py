@@ -16,7 +16,7 @@ from tfremat import api
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract
-from tfremat.backend import device_name
+from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available
 from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
 from tfremat.rewriter import PlanInstallation
@@ -40,7 +40,10 @@ class Planner(keras.callbacks.Callback):
     History, CSVLogger and TensorBoard record them. If the measured peak of the
     first steps exceeds the budget, it plans again with the measured excess taken
     off the budget (at most `max_replans` times) and warns if the budget still
-    cannot be met; it never exceeds the budget silently.
+    cannot be met; it never exceeds the budget silently. Where TensorFlow keeps
+    no allocator statistics (a CPU without oneDNN, TensorFlow started before
+    `tfremat` was imported), it warns, trains with the predicted plan and logs
+    only `predicted_peak_mb`.
 
     With `plot="memory.png"` it draws the predicted device memory over one step,
     without and with the plan, the budget and the measured epoch peaks
@@ -79,7 +82,8 @@ class Planner(keras.callbacks.Callback):
             before training, run the planned step on zeros of the first
             batch's shapes, and plans for lower budgets while it measures over
             the budget, every variable restored after each; train with the
-            fastest plan that measured within the budget. Not done under a
+            fastest plan that measured within the budget (when none did, the
+            one that measured lowest, with a warning). Not done under a
             `tf.distribute` strategy with several replicas.
         max_trials: Most plans measured before training.
         strategy: Deprecated name of `objective`.
@@ -153,6 +157,7 @@ class Planner(keras.callbacks.Callback):
         self._fit: Any = None  # the fit this callback is part of
         self._own_train_function: Any = None
         self._measuring = False
+        self._stats = True  # the device's allocator statistics can be read
         self._warming_up = False  # the step just run is the first of a new plan
         self._epoch = 0
         self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
@@ -167,6 +172,13 @@ class Planner(keras.callbacks.Callback):
                 raise ValueError("Two tfremat.Planner callbacks in one fit: pass one.")
             other._restore()  # left over from an interrupted fit
         self._reset()
+        self._stats = memory_stats_available(self.device)
+        if not self._stats:
+            warnings.warn(
+                f"tfremat: TensorFlow keeps no allocator statistics for {self.device}: "
+                "this fit trains with the predicted plan, unmeasured (no peak_memory_mb "
+                f"in the logs, no re-planning). {NO_STATS_HINT}",
+                RuntimeWarning, stacklevel=2)
         self._fit = self.model.history  # Keras makes a History for each fit
         self._own_train_function = self.model.train_function
         self.model.train_function = self._train_step
@@ -196,6 +208,10 @@ class Planner(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.plan is None:
             return
+        if not self._stats:
+            if self.log_batches and logs is not None:
+                logs["predicted_peak_mb"] = self.predicted_peak_mb
+            return
         peak = self._peak_mb()
         self._epoch_peak_mb = max(self._epoch_peak_mb, peak)
         if self.log_batches and logs is not None:
@@ -215,16 +231,18 @@ class Planner(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         self._epoch_peak_mb = 0.0
-        if self.plan is not None:
+        if self.plan is not None and self._stats:
             tf.config.experimental.reset_memory_stats(self.device)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.plan is None:
             return
-        # A re-plan resets the statistics mid-epoch: the steps before it count too.
-        self.epoch_peaks_mb.append(max(self._epoch_peak_mb, self._peak_mb()))
+        if self._stats:
+            # A re-plan resets the statistics mid-epoch: the steps before it count too.
+            self.epoch_peaks_mb.append(max(self._epoch_peak_mb, self._peak_mb()))
         if self.log_memory and logs is not None:
-            logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
+            if self._stats:
+                logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
             logs["predicted_peak_mb"] = self.predicted_peak_mb
         if self.plot:
             self._draw_timeline(self.epoch_peaks_mb)
@@ -232,7 +250,8 @@ class Planner(keras.callbacks.Callback):
             png = memory_png(self.graph, self.plan, measured_mb=self.epoch_peaks_mb,
                              budget_mb=self.budget_mb)
             with self._summary_writer.as_default(step=epoch):
-                tf.summary.scalar("tfremat/peak_memory_mb", self.epoch_peaks_mb[-1])
+                if self._stats:
+                    tf.summary.scalar("tfremat/peak_memory_mb", self.epoch_peaks_mb[-1])
                 tf.summary.scalar("tfremat/predicted_peak_mb", self.predicted_peak_mb)
                 tf.summary.image("tfremat/memory_timeline", tf.io.decode_png(png)[None])
             self._summary_writer.flush()
@@ -308,12 +327,21 @@ class Planner(keras.callbacks.Callback):
               sample: Any = None) -> Plan:
         """A plan for `budget_mb`; measured, then chosen, when `sample` (zeros
         of the first batch) is given and the callback measures."""
-        measure = (self.measure and sample is not None
+        measure = (self.measure and self._stats and sample is not None
                    and self.model.distribute_strategy.num_replicas_in_sync == 1)
-        return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
-                        objective=objective or self.objective, offload=self.offload,
-                        verbose=self.verbose, sample=sample if measure else None,
-                        measure=measure, max_trials=self.max_trials)
+        try:
+            return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
+                            objective=objective or self.objective, offload=self.offload,
+                            verbose=self.verbose, sample=sample if measure else None,
+                            measure=measure, max_trials=self.max_trials)
+        except BudgetError as e:
+            if e.measured_plan is None:
+                raise
+            # The prediction fits but no plan measured within the budget: train
+            # with the lowest, and say so (re-planning may still go lower).
+            warnings.warn(f"tfremat: {e} This fit trains with the plan that measured "
+                          "lowest.", RuntimeWarning, stacklevel=2)
+            return e.measured_plan
 
     def _install(self, plan: Plan) -> None:
         jit_compile = None
@@ -332,8 +360,9 @@ class Planner(keras.callbacks.Callback):
         self.plan = plan
         self.predicted_peak_mb = simulate(self.graph, plan).peak_bytes / MIB
         self._report(plan)
-        tf.config.experimental.reset_memory_stats(self.device)
-        self._measuring = True
+        if self._stats:
+            tf.config.experimental.reset_memory_stats(self.device)
+        self._measuring = self._stats
         self._warming_up = True
         self.plan_peak_mb = None
 

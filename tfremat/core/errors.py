@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 #: Bytes in a MiB: budgets are given in MiB (2**20 bytes).
 MIB = 2**20
 
@@ -111,6 +113,10 @@ class BudgetError(TfrematError, ValueError):
         detail: As given.
         budget_mb: `budget_bytes` in MiB (0 when None).
         min_budget_mb: `min_budget_bytes` in MiB.
+        measured_plan: Set by `tfremat.plan(..., measure=True)` when no plan it
+            measured fits: the plan that measured lowest (its estimate details
+            hold `"measured_peak_bytes"`), for a caller that trains anyway, as
+            the `Planner` callback does. None otherwise.
 
     Example:
 
@@ -128,6 +134,7 @@ class BudgetError(TfrematError, ValueError):
         self.min_budget_bytes = int(min_budget_bytes)
         self.planner = planner
         self.detail = detail
+        self.measured_plan: Any = None
         message = (
             f"A budget of {self.budget_mb:.1f} MiB cannot be met by planner {planner!r}: "
             f"the smallest feasible budget is {self.min_budget_mb:.1f} MiB "

@@ -75,11 +75,14 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
 
 class _Dataflow:
     """Buffers (alias roots), sizes and readers of a traced step's tensors, and
-    the scratch bytes of their kernels (op index -> bytes)."""
+    the scratch bytes of their kernels (op index -> bytes); `concurrent`: the
+    kernels of sibling ops may run (and hold scratch) at the same time."""
 
-    def __init__(self, ops: list[tf.Operation], scratch: dict[int, int]) -> None:
+    def __init__(self, ops: list[tf.Operation], scratch: dict[int, int],
+                 concurrent: bool = False) -> None:
         self.ops = ops
         self.scratch = scratch
+        self.concurrent = concurrent
         self.index = {op.name: i for i, op in enumerate(ops)}
         self.root: dict[_Root, _Root] = {}
         self.size: dict[_Root, int] = {}
@@ -160,6 +163,30 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
     return owner
 
 
+def _scratch_spans(positions: list[int], local: dict[int, int],
+                   flow: _Dataflow) -> dict[int, tuple[int, int]]:
+    """For each op at `positions` whose kernel has scratch, the local positions
+    over which that scratch counts: its own, or, when kernels run side by side
+    (`flow.concurrent`), from the first to the last of its siblings with
+    scratch (ops reading a buffer it reads, ready at the same time), so that
+    siblings' scratch adds up as measured on CPU."""
+    with_scratch = [p for p in positions if flow.scratch.get(p)]
+    spans = {p: (local[p], local[p]) for p in with_scratch}
+    if not flow.concurrent:
+        return spans
+    by_input: dict[_Root, list[int]] = collections.defaultdict(list)
+    for p in with_scratch:
+        for r in {flow.root_of(t) for t in flow.ops[p].inputs}:
+            if flow.size.get(r):
+                by_input[r].append(p)
+    for group in by_input.values():
+        first, last = min(local[p] for p in group), max(local[p] for p in group)
+        for p in group:
+            start, end = spans[p]
+            spans[p] = (min(start, first), max(end, last))
+    return spans
+
+
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                          is_temporary: Any) -> int:
     """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
@@ -174,10 +201,11 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     local = {p: k for k, p in enumerate(positions)}
     delta = [0] * (len(positions) + 1)
     last: dict[_Root, int] = {}
+    for p, (start, end) in _scratch_spans(positions, local, flow).items():
+        delta[start] += flow.scratch[p]
+        delta[end + 1] -= flow.scratch[p]
     for p in positions:
         op = flow.ops[p]
-        delta[local[p]] += flow.scratch.get(p, 0)
-        delta[local[p] + 1] -= flow.scratch.get(p, 0)
         for j in range(len(op.outputs)):
             r = flow.root[(p, j)]
             if r != (p, j) or not flow.size.get(r) or not is_temporary(r):
@@ -201,7 +229,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     """Builds the PlanGraph of a traced step (see `extract`); `kernels`, the
     measured scratch of its kernels, counts in the workspaces."""
     ops = traced.ops
-    flow = _Dataflow(ops, kernels.bytes_by_op if kernels else {})
+    flow = _Dataflow(ops, kernels.bytes_by_op if kernels else {},
+                     kernels.concurrent if kernels else False)
     owner = _owners(traced, flow)
     bwd = range(traced.backward_start, traced.backward_end)
 

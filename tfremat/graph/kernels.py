@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
 
-from tfremat.backend import device_name
+from tfremat.backend import device_name, memory_stats_available
 
 #: Ops whose inputs and outputs together are smaller are not measured.
 MIN_OP_BYTES = 1 << 20
@@ -61,11 +62,26 @@ class KernelWorkspaces:
     skipped: int
     seconds: float
 
+    @property
+    def concurrent(self) -> bool:
+        """Whether two kernels' scratch can be live at once on `device`.
+
+        On CPU, TensorFlow's executor runs ready operations side by side on its
+        inter-op threads (the gradients of a convolution's input and filter
+        both start when its output gradient is ready); a GPU runs a step's
+        kernels one after the other on its compute stream.
+        """
+        if not self.device.startswith("CPU"):
+            return False
+        threads = tf.config.threading.get_inter_op_parallelism_threads()
+        return (threads or os.cpu_count() or 1) > 1
+
     def metadata(self) -> dict[str, Any]:
         """A summary for `PlanGraph.metadata["kernel_workspaces"]`."""
         return {"device": self.device, "measured_ops": self.measured,
                 "skipped_ops": self.skipped, "seconds": round(self.seconds, 3),
-                "largest_bytes": max(self.bytes_by_op.values(), default=0)}
+                "largest_bytes": max(self.bytes_by_op.values(), default=0),
+                "concurrent": self.concurrent}
 
 
 def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = None,
@@ -88,9 +104,7 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
     found: dict[tuple, int | None] = {}
     bytes_by_op: dict[int, int] = {}
     skipped = 0
-    try:
-        tf.config.experimental.get_memory_info(device)
-    except ValueError:
+    if not memory_stats_available(device):
         return KernelWorkspaces({}, device, 0, 0, 0.0)
     with context.eager_mode(), tf.device(device):
         for index, op in enumerate(ops):
