@@ -65,7 +65,9 @@ def main() -> None:
     planner = None
     if args.planner:
         budget = 0.7 * tfremat.simulate(tfremat.extract(model, batch_size=BATCH)).peak_mb
-        planner = tfremat.Planner(budget, verbose=0, replan=False)
+        # Unmeasured planning is deterministic: the restarted fit must apply the
+        # killed one's plan again (a measured choice may differ by the spread).
+        planner = tfremat.Planner(budget, verbose=0, replan=False, measure=False)
     backup = keras.callbacks.BackupAndRestore(os.path.join(out, "backup"),
                                               save_freq=SAVE_FREQ)
     callbacks = [c for c in (planner, backup, Probe()) if c is not None]

@@ -169,8 +169,12 @@ def _scratch_spans(positions: list[int], local: dict[int, int],
     over which that scratch counts: its own, or, when kernels run side by side
     (`flow.concurrent`), from the first to the last of its siblings with
     scratch (ops reading a buffer it reads, ready at the same time), so that
-    siblings' scratch adds up as measured on CPU."""
-    with_scratch = [p for p in positions if flow.scratch.get(p)]
+    siblings' scratch adds up as measured on CPU. Ops whose outputs are never
+    read hold none."""
+    # An op whose outputs nothing reads (the gradient of the model's input) is
+    # pruned by Grappler before the step runs: its kernel never runs.
+    with_scratch = [p for p in positions if flow.scratch.get(p) and any(
+        flow.readers[flow.root[(p, j)]] for j in range(len(flow.ops[p].outputs)))]
     spans = {p: (local[p], local[p]) for p in with_scratch}
     if not flow.concurrent:
         return spans
