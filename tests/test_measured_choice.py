@@ -124,11 +124,14 @@ def test_at_most_max_trials_plans_are_measured(fake_measure):
 
 
 def binding_budget_mb(model: keras.Model, sample) -> float:
-    """Midway between the lowest feasible budget and the plain step's measured
-    peak (kernel scratch makes the floor machine-dependent)."""
-    plain = tfremat.measure_peak(model, sample=sample) / MIB
+    """Midway between the lowest feasible budget and the plain step's peak,
+    measured or predicted, whichever is lower (kernel scratch makes the floor
+    machine-dependent)."""
+    graph = tfremat.extract(model, sample=sample)
+    plain = min(tfremat.measure_peak(model, sample=sample) / MIB,
+                tfremat.simulate(graph).peak_mb)
     with pytest.raises(BudgetError) as err:
-        tfremat.plan(model, 1.0, sample=sample)
+        tfremat.plan(model, 1.0, graph=graph)
     return (plain + err.value.min_budget_mb) / 2
 
 
