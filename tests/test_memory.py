@@ -321,3 +321,47 @@ def test_an_unbuilt_optimizer_that_cannot_be_copied_is_refused_untouched():
     before = values([*model.variables, *model.optimizer.variables])
     tfremat.measure_peak(model, batch_size=8)
     assert values([*model.variables, *model.optimizer.variables]) == before
+
+
+_STATS_AFTER_IMPORT = """
+import os
+os.environ.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+import tensorflow as tf
+import tfremat
+assert os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "1"
+tf.constant([1.0]) * 2.0
+print(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+"""
+
+_STATS_TOO_LATE = """
+import os
+os.environ.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+import tensorflow as tf
+tf.constant([1.0]) * 2.0  # TensorFlow's devices exist before tfremat is imported
+import keras
+import tfremat
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile("sgd", "mse")
+try:
+    tfremat.measure_peak(model, batch_size=2)
+except RuntimeError as e:
+    print("ERROR:", e)
+"""
+
+
+def test_importing_tfremat_gives_allocator_statistics_on_a_cpu_without_onednn():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    ok = subprocess.run([sys.executable, "-c", _STATS_AFTER_IMPORT], env=env, text=True,
+                        capture_output=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert int(ok.stdout.strip().splitlines()[-1]) > 0
+    late = subprocess.run([sys.executable, "-c", _STATS_TOO_LATE], env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert late.returncode == 0, late.stderr[-2000:]
+    message = late.stdout.strip().splitlines()[-1]
+    assert "no allocator statistics for CPU:0" in message
+    assert "TF_CPU_ALLOCATOR_USE_BFC=1" in message
