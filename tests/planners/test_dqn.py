@@ -161,15 +161,15 @@ def test_finetuning_changes_the_weights_deterministically():
     params, _ = network.load_weights(SHIPPED_WEIGHTS)
     runs = []
     for _ in range(2):
-        agent = Agent(params, seed=3)
-        agent.train([(view, budget)], 8)
+        agent = Agent(params, seed=3, batch_size=8)
+        agent.train([(view, budget)], 3)
         runs.append(agent.params)
     assert all(np.array_equal(runs[0][k], runs[1][k]) for k in network.NAMES)
     assert any(not np.array_equal(runs[0][k], params[k]) for k in network.NAMES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = dqn(graph, budget, finetune_episodes=8, seed=3)
-    assert plan.settings["finetune_episodes"] == 8 and plan.peak_bytes <= budget
+        plan = dqn(graph, budget, finetune_episodes=3, seed=3)
+    assert plan.settings["finetune_episodes"] == 3 and plan.peak_bytes <= budget
 
 
 def test_tfremat_plan_forwards_finetune_episodes_to_dqn():
