@@ -31,7 +31,7 @@ import warnings
 from typing import Any, Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# NumPy's BLAS on one thread: the DQN's small matrices ran 7x slower with two
+# NumPy's BLAS on one thread: the DQN's small matrices ran ~5x slower with two
 # threads fighting over 2 cores (set before NumPy loads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
