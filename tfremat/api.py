@@ -66,7 +66,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", objective: str = "time",
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None, measure: bool = False, max_trials: int = 3,
-         strategy: str | None = None) -> Plan:
+         strategy: str | None = None, **settings: Any) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
     Args:
@@ -81,7 +81,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         sample: One batch `(x, y)` or a `tf.data.Dataset`, instead of `batch_size`.
         planner: `"auto"` or one of `"chen-sqrt"`, `"chen-greedy"`,
             `"chen-drop-cheap"`, `"chen-recursive"`, `"exact-dp"`, `"approx-dp"`,
-            `"swap"`.
+            `"swap"`, `"dqn"`.
         objective: `"time"` (least recomputation under the budget) or `"memory"`
             (Kusumoto et al.'s memory-centric strategy) for the DP planners.
         offload: Let planner `"auto"` offload activations to host memory when
@@ -101,6 +101,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             workspaces, the allocator's rounding); this catches it.
         max_trials: Most plans measured when `measure` is True.
         strategy: Deprecated name of `objective`.
+        **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
+            `finetune_episodes=20` for `planner="dqn"`.
 
     Inside the `scope()` of a `tf.distribute.MultiWorkerMirroredStrategy`,
     call it on every worker, as the rest of the training code: each worker
@@ -128,7 +130,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     check_planner(planner, objective, offload)
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
-    settings = {"offload": bool(offload)} if planner == "auto" else {}
+    if planner == "auto":
+        settings = {**settings, "offload": bool(offload)}
     with progress(verbose) as track:
         if graph is None:
             traced = track(f"tracing a training step of {model.name}", 1) if track else None

@@ -31,7 +31,7 @@ GRAPHS = {
 
 def test_registry_names_the_planners():
     assert set(PLANNERS) == {"chen-sqrt", "chen-greedy", "chen-drop-cheap",
-                             "chen-recursive", "exact-dp", "approx-dp", "swap"}
+                             "chen-recursive", "exact-dp", "approx-dp", "swap", "dqn"}
 
 
 @pytest.mark.parametrize("graph_name", sorted(GRAPHS))

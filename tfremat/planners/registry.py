@@ -10,6 +10,7 @@ from tfremat.core import BudgetError, Plan, PlanGraph
 from tfremat.planners import toolkit as seg
 from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
+from tfremat.planners.deepq import dqn
 from tfremat.planners.dp import OBJECTIVES, DPTimeout, approx_dp, exact_dp
 from tfremat.planners.swapping import swap, swap_combined
 from tfremat.simulation import simulate
@@ -22,6 +23,7 @@ PLANNERS: dict[str, Callable[..., Plan]] = {
     "exact-dp": exact_dp,
     "approx-dp": approx_dp,
     "swap": swap,
+    "dqn": dqn,
 }
 
 #: Graphs with at most this many nodes also get the exact DP under "auto".

@@ -57,8 +57,17 @@ def default_host_budget(fraction: float = HOST_FRACTION) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Candidate:
-    """One tensor with one prefetch trigger."""
+class Candidate:
+    """One tensor with one prefetch trigger (steps of the schedule it was found on).
+
+    Attributes:
+        ref: The tensor, `"node_id:index"`.
+        nbytes: Its size.
+        produced: Step making it.
+        first_reader: Its first backward reader's step.
+        trigger: Node whose backward step issues the copy back.
+        trigger_step: That step.
+    """
 
     ref: str
     nbytes: int
@@ -112,20 +121,20 @@ def swap(graph: PlanGraph, budget_bytes: int, *, base_plan: Plan | None = None,
                 "host_budget_bytes": host_budget, "min_bytes": min_bytes,
                 "prefetch_slack": prefetch_slack, "trials": trials,
                 "base_planner": base.planner}
-    chosen: dict[str, _Candidate] = {}
+    chosen: dict[str, Candidate] = {}
 
-    def offloads(move: _Candidate | None = None) -> list[Offload]:
+    def offloads(move: Candidate | None = None) -> list[Offload]:
         picked = chosen if move is None else {**chosen, move.ref: move}
         return list(base.offloaded) + [c.offload for c in picked.values()]
 
-    def evaluate(move: _Candidate | None = None) -> Estimate:
+    def evaluate(move: Candidate | None = None) -> Estimate:
         plan = dataclasses.replace(base, offloaded=offloads(move))
         return simulate(graph, plan, bandwidth_gbps=bandwidth_gbps, device_flops=device_flops,
                         validate=False)
 
     schedule = build_schedule(graph, base, device_flops=device_flops)
     bandwidth = bandwidth_gbps * 1e9
-    options = _candidates(schedule, base, min_bytes, prefetch_slack, bandwidth)
+    options = offload_candidates(schedule, base, min_bytes, prefetch_slack, bandwidth)
     est = evaluate()
     while est.peak_bytes > budget_bytes:
         peak_at = max(range(len(est.timeline)), key=lambda i: (est.timeline[i][1], -i))
@@ -192,8 +201,8 @@ def swap_combined(graph: PlanGraph, budget_bytes: int, bases: Sequence[Plan],
 # -- helpers ---------------------------------------------------------------------
 
 
-def _candidates(schedule: Schedule, base: Plan, min_bytes: int, slack: float,
-                bandwidth: float) -> list[_Candidate]:
+def offload_candidates(schedule: Schedule, base: Plan, min_bytes: int, slack: float,
+                       bandwidth: float) -> list[Candidate]:
     """Every tensor worth offloading, each with its prefetch trigger options.
 
     The options are the nearest backward steps whose compute until the first
@@ -202,6 +211,17 @@ def _candidates(schedule: Schedule, base: Plan, min_bytes: int, slack: float,
     the rewriter needs (`tfremat.core.validate_plan`), a trigger comes after
     every forward reader of its tensor, model outputs stay on the device, and
     a tensor read inside the segment making it is not a candidate.
+
+    Args:
+        schedule: The schedule of the step under `base`'s segments.
+        base: The plan offloading would be added to (its offloaded tensors are
+            left out).
+        min_bytes: Smallest tensor to consider.
+        slack: The earliest trigger tried covers this many times the copy.
+        bandwidth: Bytes per second of each copy stream.
+
+    Returns:
+        One `Candidate` per tensor and trigger option, latest trigger first.
     """
     graph = schedule.graph
     taken = {schedule.key_of(o.tensor)[0] for o in base.offloaded}
@@ -228,7 +248,7 @@ def _candidates(schedule: Schedule, base: Plan, min_bytes: int, slack: float,
         triggers = {steps[0]} | {_covering(schedule, steps, first, need)
                                  for need in (0.5 * copy, copy, slack * copy)}
         for step in sorted(triggers, reverse=True):
-            out.append(_Candidate(ref, life.nbytes, life.produced, first, node_at[step], step))
+            out.append(Candidate(ref, life.nbytes, life.produced, first, node_at[step], step))
     return out
 
 
@@ -244,10 +264,10 @@ def _covering(schedule: Schedule, steps: list[int], first: int, need: float) -> 
     return steps[-1]
 
 
-def _best_move(est: Estimate, peak_at: int, moves: list[_Candidate],
-               evaluate: Callable[[_Candidate], Estimate], host_budget: int,
+def _best_move(est: Estimate, peak_at: int, moves: list[Candidate],
+               evaluate: Callable[[Candidate], Estimate], host_budget: int,
                bandwidth: float, trials: int
-               ) -> tuple[_Candidate, Estimate, set[_Candidate]] | None:
+               ) -> tuple[Candidate, Estimate, set[Candidate]] | None:
     """Simulates moves, best guesses first, `trials` at a time until one helps.
 
     Returns:
@@ -259,7 +279,7 @@ def _best_move(est: Estimate, peak_at: int, moves: list[_Candidate],
     starts = [s for s, _ in est.step_times]
     ends = [e for _, e in est.step_times]
 
-    def guess(c: _Candidate) -> tuple:
+    def guess(c: Candidate) -> tuple:
         copy = c.nbytes / bandwidth
         gone_in_time = ends[c.produced] + copy <= starts[peak_at]
         stall = max(0.0, copy - (starts[c.first_reader] - starts[c.trigger_step]))
@@ -267,7 +287,7 @@ def _best_move(est: Estimate, peak_at: int, moves: list[_Candidate],
 
     moves = sorted(moves, key=guess)
     eps = 1e-6 * (est.baseline_seconds or 1.0)
-    ruled_out: set[_Candidate] = set()
+    ruled_out: set[Candidate] = set()
     best, best_score, best_added = None, (False, 0.0), 0.0
     for lo in range(0, len(moves), trials):
         for c in moves[lo:lo + trials]:

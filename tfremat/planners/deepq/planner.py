@@ -1,0 +1,133 @@
+"""`dqn`: swap and recompute planned by the DQN paper's agent, checked by the simulator."""
+
+from __future__ import annotations
+
+import numbers
+import os
+import warnings
+
+import numpy as np
+
+from tfremat.core import BudgetError, Plan, PlanGraph
+from tfremat.planners.deepq import network
+from tfremat.planners.deepq.agent import Agent
+from tfremat.planners.deepq.features import ACTIONS, FEATURES_VERSION, describe
+from tfremat.planners.swapping import MIN_BYTES
+from tfremat.simulation import BANDWIDTH_GBPS, DEVICE_FLOPS, simulate
+
+#: The weights trained by `python -m tfremat.planners.deepq.train --seed 0`.
+SHIPPED_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights.npz")
+
+
+def dqn(graph: PlanGraph, budget_bytes: int, *, finetune_episodes: int = 0, seed: int = 0,
+        weights: str | os.PathLike | None = None, bandwidth_gbps: float = BANDWIDTH_GBPS,
+        device_flops: float = DEVICE_FLOPS, min_bytes: int = MIN_BYTES) -> Plan:
+    """Plans host offload and recomputation with the DQN paper's agent.
+
+    The agent walks the layer calls in execution order and, at each, swaps
+    its outputs out to the host, removes it (recomputes it in the backward
+    pass) or does nothing, taking the action of highest Q value (Eq. 3) until
+    the simulated peak fits the budget. With `finetune_episodes`, it first
+    trains on this graph and budget (Algorithm 1, starting from the weights),
+    as the paper fine-tunes on large graphs. The result is an ordinary Plan:
+    consecutive removed calls become recompute segments, swapped outputs become
+    offloaded tensors with their prefetch triggers, and `tfremat.simulate`
+    gives its estimates.
+
+    When the agent's plan misses the budget, `dqn` warns and returns planner
+    `"auto"`'s plan instead (its `estimates.details["fallback"]` says so, and
+    `"agent_peak_bytes"` and `"agent_overhead"` give the agent's own plan's
+    figures): it never returns a plan over the budget.
+
+    Args:
+        graph: The PlanGraph.
+        budget_bytes: Device budget in bytes, persistent bytes included.
+        finetune_episodes: Episodes of training on this graph before planning
+            (0: the shipped weights as they are).
+        seed: Seed of fine-tuning's exploration and replay.
+        weights: A `.npz` written by `tfremat.planners.deepq.train` (default:
+            the shipped weights).
+        bandwidth_gbps: Bandwidth of each copy stream in GB/s.
+        device_flops: FLOP/s of the device, for calls without measured times.
+        min_bytes: Smallest tensor the agent may offload.
+
+    Returns:
+        A Plan within the budget whose `PlanEstimate` comes from `simulate`
+        (with step, baseline and stall seconds).
+
+    Raises:
+        ValueError: a bad setting, or weights trained for other features.
+        BudgetError: neither the agent nor `"auto"` meets the budget; the
+            minimum is the lower of the lowest peak along the agent's walk and
+            `"auto"`'s minimum.
+
+    Example:
+
+    >>> plan = tfremat.plan(model, budget_mb=2000, planner="dqn", finetune_episodes=20)
+    >>> plan.estimates.details["actions"]
+    """
+    if isinstance(finetune_episodes, bool) or not isinstance(
+            finetune_episodes, numbers.Integral) or finetune_episodes < 0:
+        raise ValueError(f"finetune_episodes must be a non-negative integer, got "
+                         f"{finetune_episodes!r}.")
+    if bandwidth_gbps <= 0 or device_flops <= 0:
+        raise ValueError(f"bandwidth_gbps and device_flops must be positive, got "
+                         f"{bandwidth_gbps!r} and {device_flops!r}.")
+    settings = {"finetune_episodes": int(finetune_episodes), "seed": seed,
+                "bandwidth_gbps": bandwidth_gbps, "device_flops": device_flops,
+                "min_bytes": min_bytes}
+    if weights is not None:
+        settings["weights"] = os.fspath(weights)
+    timing = {"bandwidth_gbps": bandwidth_gbps, "device_flops": device_flops}
+    params, _ = network.load_weights(SHIPPED_WEIGHTS if weights is None else weights)
+    plain = simulate(graph, **timing)
+    if plain.peak_bytes <= budget_bytes:
+        return Plan.from_segments(
+            graph, [], planner="dqn", budget_bytes=budget_bytes, settings=settings,
+            estimates=plain.plan_estimate(with_time=True, note="The step fits the budget "
+                                          "without a plan: no rewrite needed."))
+    view = describe(graph, min_bytes=min_bytes, **timing)
+    agent = Agent(params, seed=seed)
+    if finetune_episodes:
+        agent.train([(view, budget_bytes)], int(finetune_episodes))
+    episode = agent.greedy(view, budget_bytes)
+    counts = {name: int(np.sum(episode.decisions == k)) for k, name in enumerate(ACTIONS)
+              if k}
+    details = {"actions": counts, "features_version": FEATURES_VERSION,
+               "agent_peak_bytes": episode.estimate.peak_bytes,
+               "agent_overhead": episode.estimate.overhead}
+    if episode.estimate.peak_bytes <= budget_bytes:
+        plan = episode.plan
+        plan.budget_bytes = budget_bytes
+        plan.settings = settings
+        plan.estimates = episode.estimate.plan_estimate(
+            with_time=True, details=details,
+            note=f"The DQN agent swapped {counts['swap']} and removed {counts['remove']} "
+                 f"calls' outputs; simulated peak {episode.estimate.peak_mb:.1f} MiB.")
+        plan.validate(graph)
+        return plan
+    return _fallback(graph, budget_bytes, settings, episode.lowest_peak, details)
+
+
+def _fallback(graph: PlanGraph, budget_bytes: int, settings: dict, lowest_peak: int,
+              details: dict) -> Plan:
+    """Planner "auto"'s plan, labelled as the DQN's fallback, with a warning."""
+    from tfremat.planners.registry import SWAP_SETTINGS, make_plan
+
+    missed = (f"The DQN agent's plan reached {lowest_peak / 2**20:.1f} MiB at best, over "
+              f"the budget of {budget_bytes / 2**20:.1f} MiB")
+    try:
+        plan = make_plan(graph, budget_bytes, "auto", offload=True,
+                         **{k: v for k, v in settings.items() if k in SWAP_SETTINGS})
+    except BudgetError as err:
+        raise BudgetError(budget_bytes, min(lowest_peak, err.min_budget_bytes), "dqn",
+                          f"{missed}; planner 'auto' reached "
+                          f"{err.min_budget_mb:.1f} MiB.") from None
+    warnings.warn(f"{missed}: using planner 'auto''s plan instead.", stacklevel=3)
+    plan.planner = "dqn"
+    plan.settings = {**settings, "fallback": "auto"}
+    plan.estimates = simulate(graph, plan, bandwidth_gbps=settings["bandwidth_gbps"],
+                              device_flops=settings["device_flops"]).plan_estimate(
+        with_time=True, details={**details, "fallback": "auto"},
+        note=f"{missed}; this is planner 'auto''s plan ({plan.estimates.note})")
+    return plan
