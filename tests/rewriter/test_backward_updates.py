@@ -1,0 +1,244 @@
+"""Optimizer updates inside the backward pass: the same weights and optimizer
+state as plain training, the fallbacks, and the user's model and optimizer
+given back."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.rewriter.rewrite_helpers import (plan_for, residual_cnn, restore, snapshot,
+                                            sqrt_segments)
+from tfremat.rewriter import PlanInstallation, fallback_reason, rewrite_model
+
+REL_TOL = 1e-6
+BATCH = 4
+
+
+def schedule() -> keras.optimizers.schedules.LearningRateSchedule:
+    return keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=2, decay_rate=0.7)
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(schedule(), clipvalue=0.05),
+    "sgd-nesterov": lambda: keras.optimizers.SGD(schedule(), momentum=0.9, nesterov=True,
+                                                 clipnorm=0.5),
+    "adam": lambda: keras.optimizers.Adam(schedule(), clipnorm=0.5),
+    "adamw": lambda: keras.optimizers.AdamW(schedule(), weight_decay=0.1, clipnorm=0.5,
+                                            use_ema=True),
+    "rmsprop": lambda: keras.optimizers.RMSprop(schedule(), momentum=0.5, clipnorm=0.5),
+    "adafactor": lambda: keras.optimizers.Adafactor(schedule(), clipnorm=0.5),
+}
+
+
+class TiedOutput(keras.layers.Layer):
+    """Logits from the transposed embedding matrix of another layer."""
+
+    def __init__(self, embedding: keras.layers.Embedding, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+def tied_transformer(vocab: int = 24, seq: int = 8, dim: int = 16) -> keras.Model:
+    """A Transformer block whose output projection shares the embedding."""
+    tokens = keras.Input((seq,), dtype="int32")
+    embedding = keras.layers.Embedding(vocab, dim)
+    x = embedding(tokens)
+    a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x, x)
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([x, a]))
+    f = keras.layers.Dense(dim)(keras.layers.Dense(32, activation="gelu")(h))
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+    return keras.Model(tokens, TiedOutput(embedding)(h), name="tied_transformer")
+
+
+def data_for(model: keras.Model, steps: int):
+    rng = np.random.default_rng(0)
+    n = steps * BATCH
+    if model.name == "tied_transformer":
+        x = rng.integers(0, 24, (n, 8)).astype("int32")
+        return x, np.roll(x, 1, axis=1), "sparse_categorical_crossentropy"
+    x = rng.standard_normal((n, 16, 16, 3)).astype("float32")
+    return x, rng.standard_normal((n, 5)).astype("float32"), "mse"
+
+
+def train(model: keras.Model, start, make_optimizer, steps: int, plan=None):
+    """Weights and optimizer variables after `steps` steps of `fit` from
+    `start`, plainly or with `plan` installed."""
+    restore(model, start)
+    x, y, loss = data_for(model, steps)
+    optimizer = make_optimizer()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if loss.startswith(
+        "sparse") else loss
+    model.compile(optimizer=optimizer, loss=loss)
+    if plan is None:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    else:
+        optimizer.build(model.trainable_variables)
+        with PlanInstallation(model, plan):
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        assert "apply" not in vars(optimizer), "the optimizer's own apply is given back"
+    return snapshot(model), [np.array(v.numpy()) for v in optimizer.variables]
+
+
+def assert_same(expected, got) -> None:
+    """Integer variables (step counters) equal; floating ones within REL_TOL of
+    their global norm (a weight whose gradient is ~0, as an attention key's
+    bias, differs by float rounding only, and relatively more)."""
+    assert len(expected) == len(got)
+    floats = [(a, b) for a, b in zip(expected, got) if a.dtype.kind == "f"]
+    for a, b in zip(expected, got):
+        if a.dtype.kind != "f":
+            np.testing.assert_array_equal(a, b)
+    a = np.concatenate([a.ravel() for a, _ in floats]).astype(np.float64)
+    b = np.concatenate([b.ravel() for _, b in floats]).astype(np.float64)
+    err = np.linalg.norm(a - b) / np.linalg.norm(a)
+    assert err <= REL_TOL, f"relative error {err:.3g}"
+
+
+def updates_plan(model: keras.Model, segmented: bool):
+    plan = plan_for(model, sqrt_segments(model) if segmented else [])
+    plan.update_in_backward = True
+    return plan
+
+
+MODELS = {"cnn": lambda: residual_cnn(2), "transformer": tied_transformer}
+
+FAST = [("cnn", "adam", True), ("transformer", "adamw", False)]
+ALL = [(m, o, s) for m in MODELS for o in OPTIMIZERS for s in (True, False)]
+
+
+@pytest.mark.parametrize(
+    "model_name, optimizer, segmented",
+    FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in ALL if case not in FAST])
+def test_updates_in_backward_train_as_plain(model_name, optimizer, segmented):
+    steps = 3 if (model_name, optimizer, segmented) in FAST else 20
+    keras.utils.set_random_seed(0)
+    model = MODELS[model_name]()
+    start = snapshot(model)
+    weights, slots = train(model, start, OPTIMIZERS[optimizer], steps)
+    plan = updates_plan(model, segmented)
+    weights_b, slots_b = train(model, start, OPTIMIZERS[optimizer], steps, plan)
+    assert any(not np.array_equal(a, b) for a, b in zip(start, weights)), "training moved"
+    assert_same(weights, weights_b)
+    assert_same(slots, slots_b)
+
+
+def test_own_weights_are_updated_inside_the_backward_pass():
+    keras.utils.set_random_seed(0)
+    model = tied_transformer()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    rewritten = rewrite_model(model, updates_plan(model, segmented=True))
+    rewritten.compile(optimizer=model.optimizer, loss="mse")
+    x, _, _ = data_for(model, 1)
+    before = snapshot(model)
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(rewritten(x, training=True))
+        return tape.gradient(loss, rewritten.trainable_variables)
+
+    grads = gradients(x[:BATCH])
+    shared = model.get_layer(index=1).embeddings
+    for v, g in zip(rewritten.trainable_variables, grads):
+        # The tied embedding's gradient is complete only after the backward
+        # pass: it is left to apply; every other weight was updated in it.
+        assert (g is None) == (v is not shared), v.path
+    moved = {id(v) for v, a in zip(model.variables, before) if not np.array_equal(
+        v.numpy(), a)}
+    assert moved == {id(v) for v in model.trainable_variables if v is not shared}
+
+
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def small(model_class=keras.Model) -> keras.Model:
+    x = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu")(x)
+    return model_class(x, keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("global_clipnorm", "global_clipnorm"),
+    ("loss_scale", "LossScaleOptimizer"),
+    ("accumulation", "gradient_accumulation_steps"),
+    ("train_step", "own train_step"),
+    ("nadam", "Nadam overrides"),
+    ("strategy", "tf.distribute"),
+    ("uncompiled", "no optimizer"),
+])
+def test_each_fallback_says_why(case, expected):
+    if case == "strategy":
+        with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+            model = small()
+            model.compile(optimizer="sgd", loss="mse")
+    else:
+        model = small(OwnStep if case == "train_step" else keras.Model)
+        optimizer = {
+            "global_clipnorm": keras.optimizers.SGD(0.1, global_clipnorm=1.0),
+            "loss_scale": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+            "accumulation": keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+            "nadam": keras.optimizers.Nadam(0.1),
+        }.get(case, keras.optimizers.SGD(0.1))
+        if case != "uncompiled":
+            model.compile(optimizer=optimizer, loss="mse")
+    assert expected in fallback_reason(model)
+
+
+def test_a_plain_model_has_no_fallback():
+    model = small()
+    model.compile(optimizer=keras.optimizers.AdamW(0.1, clipnorm=1.0, use_ema=True),
+                  loss="mse")
+    assert fallback_reason(model) is None
+
+
+def test_a_plan_that_cannot_update_in_backward_trains_exactly_as_plain():
+    keras.utils.set_random_seed(0)
+    model = residual_cnn(1)
+    start = snapshot(model)
+
+    def clipped():
+        return keras.optimizers.Adam(0.01, global_clipnorm=0.5)
+
+    weights, slots = train(model, start, clipped, 3)
+    with pytest.warns(RuntimeWarning, match="global_clipnorm"):
+        weights_b, slots_b = train(model, start, clipped, 3,
+                                   updates_plan(model, segmented=False))
+    for a, b in zip(weights + slots, weights_b + slots_b):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_users_model_and_optimizer_come_back_after_an_error():
+    keras.utils.set_random_seed(0)
+    model = residual_cnn(1)
+    optimizer = keras.optimizers.Adam(0.01)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y, _ = data_for(model, 2)
+    optimizer.build(model.trainable_variables)
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            assert "apply" in vars(optimizer)  # patched while the plan runs
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with PlanInstallation(model, updates_plan(model, segmented=True)):
+            model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[Boom()])
+    assert "apply" not in vars(optimizer) and "call" not in vars(model)
+    # Plain training again: every weight gets its gradient and is updated by apply.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x[:BATCH], training=True))
+    assert all(g is not None for g in tape.gradient(loss, model.trainable_variables))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Gradients do not exist" warning
+        model.fit(x, y, batch_size=BATCH, verbose=0)
