@@ -83,6 +83,10 @@ class Planner(keras.callbacks.Callback):
             `tf.distribute` strategy with several replicas.
         max_trials: Most plans measured before training.
         strategy: Deprecated name of `objective`.
+        update_in_backward: Run each optimizer update inside the backward pass
+            (see `tfremat.plan`): True, False or `"auto"` (under a binding
+            budget, when the optimizer allows it). The plan summary says
+            whether it does, and why not.
 
     Attributes:
         plan: The plan applied (None before the first step).
@@ -109,7 +113,8 @@ class Planner(keras.callbacks.Callback):
                  offload: bool | str = "auto", verbose: int = 1, export: str | None = None,
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
                  replan: bool = True, max_replans: int = 2, measure: bool = True,
-                 max_trials: int = 3, strategy: str | None = None) -> None:
+                 max_trials: int = 3, strategy: str | None = None,
+                 update_in_backward: bool | str = "auto") -> None:
         super().__init__()
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Keras's fit fails before any callback runs (in its symbolic build),
@@ -137,6 +142,10 @@ class Planner(keras.callbacks.Callback):
         self.max_replans = max_replans
         self.measure = measure
         self.max_trials = max_trials
+        if update_in_backward not in (True, False, "auto"):
+            raise ValueError("update_in_backward must be True, False or 'auto', got "
+                             f"{update_in_backward!r}.")
+        self.update_in_backward = update_in_backward
         self.device = device_name()
         self._reset()
 
@@ -313,7 +322,8 @@ class Planner(keras.callbacks.Callback):
         return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
                         objective=objective or self.objective, offload=self.offload,
                         verbose=self.verbose, sample=sample if measure else None,
-                        measure=measure, max_trials=self.max_trials)
+                        measure=measure, max_trials=self.max_trials,
+                        update_in_backward=self.update_in_backward)
 
     def _install(self, plan: Plan) -> None:
         jit_compile = None
