@@ -242,3 +242,61 @@ def test_the_users_model_and_optimizer_come_back_after_an_error():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "Gradients do not exist" warning
         model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+def wide_mlp() -> keras.Model:
+    """Weights (and so weight gradients) large beside the activations."""
+    x = keras.Input((256,))
+    h = x
+    for _ in range(4):
+        h = keras.layers.Dense(256, activation="relu")(h)
+    return keras.Model(x, keras.layers.Dense(4)(h), name="wide_mlp")
+
+
+def test_auto_plans_updates_in_backward_under_a_binding_budget():
+    import tfremat
+    from tfremat import simulate
+
+    model = wide_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    graph = tfremat.extract(model, batch_size=8)
+    plain = simulate(graph).peak_mb
+    roomy = tfremat.plan(model, plain * 1.1, graph=graph)
+    assert roomy.is_empty and "not needed" in roomy.update_note
+    tight = tfremat.plan(model, plain * 0.95, graph=graph)
+    assert tight.update_in_backward and tight.peak_bytes <= plain * 0.95 * 2**20
+    with pytest.raises(tfremat.BudgetError):  # the weight gradients are the floor
+        tfremat.plan(model, plain * 0.95, graph=graph, update_in_backward=False)
+    lines = []
+    tight.summary(print_fn=lines.append)
+    assert "Updates:         in the backward pass" in lines[0]
+    model.compile(optimizer=keras.optimizers.Adam(1e-3, global_clipnorm=1.0), loss="mse")
+    with pytest.warns(RuntimeWarning, match="global_clipnorm"):
+        asked = tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward=True)
+    assert not asked.update_in_backward and "global_clipnorm" in asked.update_note
+
+
+def test_the_planner_callback_trains_with_updates_in_backward_as_plain():
+    import tfremat
+
+    keras.utils.set_random_seed(0)
+    model = wide_mlp()
+    start = snapshot(model)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 256)).astype("float32")
+    y = rng.standard_normal((16, 4)).astype("float32")
+    results = []
+    for callbacks in ([], None):
+        restore(model, start)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        if callbacks is None:
+            graph = tfremat.extract(model, batch_size=BATCH)
+            budget = tfremat.simulate(graph).peak_mb * 0.95
+            planner = tfremat.Planner(budget, verbose=0, measure=False, replan=False)
+            callbacks = [planner]
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        results.append(snapshot(model) + [v.numpy() for v in model.optimizer.variables])
+    assert planner.plan.update_in_backward
+    assert "apply" not in vars(model.optimizer)
+    assert_same(results[0], results[1])
