@@ -235,7 +235,7 @@ class BackwardUpdates:
         """The optimizer to update with now, or None: updates stay after the
         backward pass, and a warning (once per reason) says why."""
         if self.model is None:
-            return None  # e.g. a rewritten model loaded from a file: plain updates
+            return None  # not bound (yet): nothing to update with
         reason = fallback_reason(self.model)
         if reason is None:
             return self.model.optimizer
