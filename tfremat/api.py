@@ -41,8 +41,10 @@ def check_budget_mb(budget_mb: Any, name: str = "budget_mb") -> float:
     return value
 
 
-def check_planner(planner: str, objective: str, offload: bool | str = "auto") -> None:
-    """Raises ValueError for an unknown planner, objective or offload setting."""
+def check_planner(planner: str, objective: str, offload: bool | str = "auto",
+                  update_in_backward: bool | str = "auto") -> None:
+    """Raises ValueError for an unknown planner, objective, offload or
+    update_in_backward setting."""
     if planner != "auto" and planner not in PLANNERS:
         raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
                          f"{sorted(PLANNERS)}.")
@@ -50,6 +52,9 @@ def check_planner(planner: str, objective: str, offload: bool | str = "auto") ->
         raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
     if offload not in (True, False, "auto"):
         raise ValueError(f"offload must be True, False or 'auto', got {offload!r}.")
+    if update_in_backward not in (True, False, "auto"):
+        raise ValueError("update_in_backward must be True, False or 'auto', got "
+                         f"{update_in_backward!r}.")
 
 
 def deprecated_strategy(strategy: str | None, objective: str) -> str:
@@ -133,7 +138,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     """
     objective = deprecated_strategy(strategy, objective)
     budget_mb = check_budget_mb(budget_mb)
-    check_planner(planner, objective, offload)
+    check_planner(planner, objective, offload, update_in_backward)
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     settings = {"offload": bool(offload)} if planner == "auto" else {}

@@ -127,7 +127,7 @@ class Planner(keras.callbacks.Callback):
                 "examples/multi_worker.py does.")
         objective = api.deprecated_strategy(strategy, objective)
         self.budget_mb = api.check_budget_mb(budget_mb)
-        api.check_planner(planner, objective, offload)
+        api.check_planner(planner, objective, offload, update_in_backward)
         self.planner = planner
         self.objective = objective
         self.offload = offload
@@ -142,9 +142,6 @@ class Planner(keras.callbacks.Callback):
         self.max_replans = max_replans
         self.measure = measure
         self.max_trials = max_trials
-        if update_in_backward not in (True, False, "auto"):
-            raise ValueError("update_in_backward must be True, False or 'auto', got "
-                             f"{update_in_backward!r}.")
         self.update_in_backward = update_in_backward
         self.device = device_name()
         self._reset()

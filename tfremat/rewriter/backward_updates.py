@@ -131,11 +131,7 @@ def choose_updates(model: keras.Model, graph: PlanGraph, budget_bytes: int,
         The decision, and the note a plan carries when it is False ("" when
         updates in the backward pass were not asked for).
 
-    Raises:
-        ValueError: `setting` is none of True, False and `"auto"`.
     """
-    if setting not in (True, False, "auto"):
-        raise ValueError(f"update_in_backward must be True, False or 'auto', got {setting!r}.")
     if setting is False:
         return False, ""
     reason = fallback_reason(model)
