@@ -163,6 +163,15 @@ def test_own_weights_are_updated_inside_the_backward_pass():
     assert moved == {id(v) for v in model.trainable_variables if v is not shared}
 
 
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
 class OwnStep(keras.Model):
     def train_step(self, data):
         return super().train_step(data)
@@ -182,9 +191,14 @@ def small(model_class=keras.Model) -> keras.Model:
     ("nadam", "Nadam overrides"),
     ("strategy", "tf.distribute"),
     ("uncompiled", "no optimizer"),
+    ("subclassed", "subclassed models"),
 ])
 def test_each_fallback_says_why(case, expected):
-    if case == "strategy":
+    if case == "subclassed":
+        model = Subclassed()
+        model(np.zeros((1, 4), "float32"))
+        model.compile(optimizer="sgd", loss="mse")
+    elif case == "strategy":
         with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
             model = small()
             model.compile(optimizer="sgd", loss="mse")
