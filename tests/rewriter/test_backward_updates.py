@@ -338,3 +338,22 @@ def test_a_bad_setting_is_refused_at_the_door():
         tfremat.Planner(100, update_in_backward="yes")
     with pytest.raises(ValueError, match="update_in_backward"):
         tfremat.plan(small(), 100, batch_size=2, update_in_backward="always")
+
+
+def test_a_rewritten_model_with_update_units_saves_and_loads(tmp_path):
+    from tfremat.rewriter import UpdateUnit
+
+    keras.utils.set_random_seed(0)
+    model = residual_cnn(1)
+    rewritten = rewrite_model(model, updates_plan(model, segmented=True))
+    assert any(isinstance(layer, UpdateUnit) for layer in rewritten.layers)
+    x, y, _ = data_for(model, 1)
+    path = tmp_path / "rewritten.keras"
+    rewritten.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  rewritten.predict(x, verbose=0))
+    # Loaded, it updates after the backward pass: every weight gets its gradient.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(loaded(x, training=True))
+    assert all(g is not None for g in tape.gradient(loss, loaded.trainable_variables))
