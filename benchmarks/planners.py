@@ -55,8 +55,13 @@ PLANNERS: dict[str, tuple[str, dict[str, Any]]] = {
     "approx-dp (memory)": ("approx-dp", {"objective": "memory"}),
     "exact-dp (time)": ("exact-dp", {"objective": "time", "time_limit": 20.0}),
     "auto": ("auto", {"offload": False}),
+    # Optimizer updates inside the backward pass (docs/updates-in-backward.md).
+    "chen-sqrt + updates": ("chen-sqrt", {"update_in_backward": True}),
+    "approx-dp (memory) + updates": ("approx-dp", {"objective": "memory",
+                                                   "update_in_backward": True}),
 }
-QUICK_PLANNERS = ("chen-sqrt", "approx-dp (time)", "approx-dp (memory)")
+QUICK_PLANNERS = ("chen-sqrt", "approx-dp (time)", "approx-dp (memory)",
+                  "chen-sqrt + updates")
 
 
 def build_unet(size: int, classes: int = 10, base: int = 32, depth: int = 4) -> Any:
@@ -201,7 +206,7 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
     peaks: dict[str, float] = {}  # runner key -> measured peak MiB
 
     def measure(label: str, budget_kind: str, plan: Any, plan_s: float) -> dict[str, Any]:
-        key = json.dumps([s.to_dict() for s in plan.segments])
+        key = json.dumps([[s.to_dict() for s in plan.segments], plan.update_in_backward])
         if key not in by_segments:
             rewritten = rewrite(model, plan)
             if rewritten is not model:

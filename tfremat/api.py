@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph
 from tfremat.graph import extract
 from tfremat.planners import OBJECTIVES, PLANNERS, make_plan, progress
-from tfremat.rewriter import PlanInstallation, rewrite_model
+from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model
 
 logger = logging.getLogger("tfremat")
 
@@ -41,8 +41,10 @@ def check_budget_mb(budget_mb: Any, name: str = "budget_mb") -> float:
     return value
 
 
-def check_planner(planner: str, objective: str, offload: bool | str = "auto") -> None:
-    """Raises ValueError for an unknown planner, objective or offload setting."""
+def check_planner(planner: str, objective: str, offload: bool | str = "auto",
+                  update_in_backward: bool | str = "auto") -> None:
+    """Raises ValueError for an unknown planner, objective, offload or
+    update_in_backward setting."""
     if planner != "auto" and planner not in PLANNERS:
         raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
                          f"{sorted(PLANNERS)}.")
@@ -50,6 +52,9 @@ def check_planner(planner: str, objective: str, offload: bool | str = "auto") ->
         raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
     if offload not in (True, False, "auto"):
         raise ValueError(f"offload must be True, False or 'auto', got {offload!r}.")
+    if update_in_backward not in (True, False, "auto"):
+        raise ValueError("update_in_backward must be True, False or 'auto', got "
+                         f"{update_in_backward!r}.")
 
 
 def deprecated_strategy(strategy: str | None, objective: str) -> str:
@@ -66,7 +71,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", objective: str = "time",
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None, measure: bool = False, max_trials: int = 3,
-         strategy: str | None = None, **settings: Any) -> Plan:
+         strategy: str | None = None, update_in_backward: bool | str = "auto",
+         **settings: Any) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
     Args:
@@ -101,6 +107,14 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             workspaces, the allocator's rounding); this catches it.
         max_trials: Most plans measured when `measure` is True.
         strategy: Deprecated name of `objective`.
+        update_in_backward: Run each optimizer update inside the backward
+            pass, freeing weight gradients as soon as they are used
+            (docs/updates-in-backward.md): True, False, or `"auto"` (when the
+            step does not fit as it is, the optimizer allows it and it lowers
+            the simulated peak). Where it cannot be exact (`global_clipnorm`,
+            `LossScaleOptimizer`, gradient accumulation, a custom
+            `train_step`, a `tf.distribute` strategy) the plan says why in
+            `update_note` and updates after the backward pass.
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20` for `planner="dqn"`.
 
@@ -127,7 +141,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     """
     objective = deprecated_strategy(strategy, objective)
     budget_mb = check_budget_mb(budget_mb)
-    check_planner(planner, objective, offload)
+    check_planner(planner, objective, offload, update_in_backward)
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     if planner == "auto":
@@ -138,9 +152,14 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             graph = extract(model, batch_size=batch_size, sample=sample)
             if traced:
                 traced(1)
+        updates, note = choose_updates(model, graph, int(budget_mb * MIB), update_in_backward)
+
         def make(budget_bytes: int, objective: str = objective) -> Plan:
-            return make_plan(graph, budget_bytes, planner=planner, objective=objective,
-                             time_limit=time_limit, verbose=verbose, **settings)
+            made = make_plan(graph, budget_bytes, planner=planner, objective=objective,
+                             time_limit=time_limit, verbose=verbose,
+                             update_in_backward=updates, **settings)
+            made.update_note = note
+            return made
 
         result = make(int(budget_mb * MIB))
         if measure:
@@ -305,7 +324,8 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             budget_mb: float | None = None, batch_size: int | None = None,
             sample: Any = None, planner: str = "auto", objective: str = "time",
             compute_device: str | None = None, host_device: str | None = None,
-            strategy: str | None = None) -> keras.Model:
+            strategy: str | None = None,
+            update_in_backward: bool | str = "auto") -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 
     Either pass a `Plan`, or a `budget_mb` (with `batch_size` or `sample`) to plan
@@ -323,6 +343,8 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             (default the first GPU).
         host_device: Device holding offloaded tensors (default `"/CPU:0"`).
         strategy: Deprecated name of `objective`.
+        update_in_backward: For planning (see `tfremat.plan`). The rewritten
+            model then updates with the optimizer it is compiled with.
 
     Returns:
         The rewritten model, or `model` itself when the plan is empty (the
@@ -338,7 +360,8 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         if budget_mb is None:
             raise ValueError("Pass a Plan, or budget_mb=... to plan first.")
         plan_or_none = plan(model, budget_mb, batch_size=batch_size, sample=sample,
-                            planner=planner, objective=objective)
+                            planner=planner, objective=objective,
+                            update_in_backward=update_in_backward)
     elif not isinstance(plan_or_none, Plan):
         raise TypeError(f"rewrite takes a tfremat.Plan, not {type(plan_or_none).__name__}.")
     if plan_or_none.is_empty:

@@ -113,7 +113,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = _prepare(args)
         graph = tfremat.extract(model, batch_size=args.batch_size)
     plan = tfremat.plan(model, args.budget_mb, graph=graph, planner=args.planner,
-                        objective=args.objective, verbose=1)
+                        objective=args.objective, verbose=1,
+                        update_in_backward=args.update_in_backward)
     console.print(summary(graph, plan), highlight=False)
     if args.export:
         written = write_picture(plan, args.export, graph=graph)
@@ -181,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory timeline image (.png, .svg, .pdf): predicted memory over "
                          "one step, without and with the plan; needs no Graphviz")
     pl.add_argument("--json", default=None, help="write the plan as JSON")
+    pl.add_argument("--no-update-in-backward", dest="update_in_backward",
+                    action="store_const", const=False, default="auto",
+                    help="keep optimizer updates after the backward pass (by default "
+                         "they run inside it when that lowers the peak)")
     pl.add_argument("--measure", action="store_true",
                     help="rewrite the model and measure its peak")
     pl.set_defaults(func=cmd_plan)

@@ -232,6 +232,7 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
         f"Extra compute:   +{est.overhead:.1%} of a step",
         f"Segments:        {len(plan.segments)}; offloaded tensors: {len(plan.offloaded)}",
+        f"Updates:         {_updates_line(plan)}",
         "-" * 72,
     ]
     if plan.is_empty:
@@ -245,6 +246,13 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"offload     {off.tensor}  (prefetch after {off.prefetch_after})")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _updates_line(plan: Plan) -> str:
+    """Where the plan's optimizer updates run, and why not earlier if not."""
+    if plan.update_in_backward:
+        return "in the backward pass (weight gradients freed as they are used)"
+    return "after the backward pass" + (f" ({plan.update_note})" if plan.update_note else "")
 
 
 # `Plan.summary()` and `Plan.to_pydot()` draw with this module.

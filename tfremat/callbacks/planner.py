@@ -87,6 +87,10 @@ class Planner(keras.callbacks.Callback):
             `tf.distribute` strategy with several replicas.
         max_trials: Most plans measured before training.
         strategy: Deprecated name of `objective`.
+        update_in_backward: Run each optimizer update inside the backward pass
+            (see `tfremat.plan`): True, False or `"auto"` (under a binding
+            budget, when the optimizer allows it). The plan summary says
+            whether it does, and why not.
 
     Attributes:
         plan: The plan applied (None before the first step).
@@ -113,7 +117,8 @@ class Planner(keras.callbacks.Callback):
                  offload: bool | str = "auto", verbose: int = 1, export: str | None = None,
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
                  replan: bool = True, max_replans: int = 2, measure: bool = True,
-                 max_trials: int = 3, strategy: str | None = None) -> None:
+                 max_trials: int = 3, strategy: str | None = None,
+                 update_in_backward: bool | str = "auto") -> None:
         super().__init__()
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Keras's fit fails before any callback runs (in its symbolic build),
@@ -126,7 +131,7 @@ class Planner(keras.callbacks.Callback):
                 "examples/multi_worker.py does.")
         objective = api.deprecated_strategy(strategy, objective)
         self.budget_mb = api.check_budget_mb(budget_mb)
-        api.check_planner(planner, objective, offload)
+        api.check_planner(planner, objective, offload, update_in_backward)
         self.planner = planner
         self.objective = objective
         self.offload = offload
@@ -141,6 +146,7 @@ class Planner(keras.callbacks.Callback):
         self.max_replans = max_replans
         self.measure = measure
         self.max_trials = max_trials
+        self.update_in_backward = update_in_backward
         self.device = device_name()
         self._reset()
 
@@ -333,7 +339,8 @@ class Planner(keras.callbacks.Callback):
             return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
                             objective=objective or self.objective, offload=self.offload,
                             verbose=self.verbose, sample=sample if measure else None,
-                            measure=measure, max_trials=self.max_trials)
+                            measure=measure, max_trials=self.max_trials,
+                            update_in_backward=self.update_in_backward)
         except BudgetError as e:
             if e.measured_plan is None:
                 raise

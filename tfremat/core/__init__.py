@@ -11,7 +11,8 @@ from tfremat.core.errors import (MIB, BackendError, BudgetError, PlanMismatchErr
 from tfremat.core.graph import (Node, PlanGraph, TensorInfo, dtype_size, split_ref,
                                 structure_fingerprint)
 from tfremat.core.plan import (Offload, Plan, PlanEstimate, PlanPlots, PlanViews, Segment,
-                               set_plan_plots, set_plan_views)
+                               set_plan_plots, set_plan_views, updates_in_backward,
+                               with_updates_in_backward)
 from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
 
 __all__ = [
@@ -19,5 +20,5 @@ __all__ = [
     "PlanGraph", "PlanMismatchError", "PlanPlots", "PlanValidationError", "PlanViews", "Segment",
     "TensorInfo", "TfrematError", "UnsupportedModelError", "dtype_size", "is_convex",
     "set_plan_plots", "set_plan_views", "shared_layer_groups", "split_ref", "structure_fingerprint",
-    "validate_plan",
+    "updates_in_backward", "validate_plan", "with_updates_in_backward",
 ]

@@ -181,6 +181,12 @@ class Plan:
         segments: Top-level recompute segments (disjoint).
         offloaded: Offloaded tensors.
         estimates: The planner's prediction (None for a plan made by hand).
+        update_in_backward: Whether each layer's (or segment's) optimizer
+            update runs inside the backward pass, as soon as its weight
+            gradients are complete, freeing them before the backward pass goes
+            on (see docs/updates-in-backward.md).
+        update_note: Why updates do not run in the backward pass when they
+            were asked for or considered (e.g. `global_clipnorm`), or "".
         graph: The PlanGraph planned for, when known (set by `tfremat.plan`;
             not serialised: a plan read from JSON has none).
 
@@ -201,18 +207,28 @@ class Plan:
     segments: list[Segment] = dataclasses.field(default_factory=list)
     offloaded: list[Offload] = dataclasses.field(default_factory=list)
     estimates: PlanEstimate | None = None
+    update_in_backward: bool = False
+    update_note: str = ""
     graph: PlanGraph | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_segments(cls, graph: PlanGraph, segments: list[list[str]] | list[Segment],
                       **kwargs: Any) -> "Plan":
-        """Makes a plan for `graph` from lists of node ids (or Segments)."""
+        """Makes a plan for `graph` from lists of node ids (or Segments).
+
+        The plan runs updates in the backward pass when the graph was marked
+        for them (`with_updates_in_backward`), unless `update_in_backward` is
+        given.
+        """
         segs = [s if isinstance(s, Segment) else Segment(list(s)) for s in segments]
+        kwargs.setdefault("update_in_backward", updates_in_backward(graph))
         return cls(graph_fingerprint=graph.fingerprint(), segments=segs, **kwargs)
 
     @property
     def is_empty(self) -> bool:
-        return not self.segments and not self.offloaded
+        """Whether the plan changes nothing: no segments, offloads or updates
+        in the backward pass."""
+        return not self.segments and not self.offloaded and not self.update_in_backward
 
     @property
     def peak_bytes(self) -> int:
@@ -314,6 +330,8 @@ class Plan:
             "segments": [s.to_dict() for s in self.segments],
             "offloaded": [o.to_dict() for o in self.offloaded],
             "estimates": self.estimates.to_dict() if self.estimates else {},
+            "update_in_backward": self.update_in_backward,
+            "update_note": self.update_note,
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *,
@@ -346,6 +364,8 @@ class Plan:
                 segments=[Segment.from_dict(s) for s in data.get("segments", [])],
                 offloaded=[Offload(**o) for o in data.get("offloaded", [])],
                 estimates=PlanEstimate.from_dict(estimates) if estimates else None,
+                update_in_backward=bool(data.get("update_in_backward", False)),
+                update_note=str(data.get("update_note", "")),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise PlanValidationError(f"The plan's segments or offloads are malformed "
@@ -360,6 +380,40 @@ class Plan:
             PlanValidationError: the JSON is not a plan this tfremat reads.
         """
         return cls.from_dict(jsonio.loads(text_or_path, "plan"))
+
+
+#: The `PlanGraph.metadata` key marking a graph planned with updates in the
+#: backward pass (`with_updates_in_backward`).
+UPDATES_KEY = "update_in_backward"
+
+
+def with_updates_in_backward(graph: PlanGraph, on: bool = True) -> PlanGraph:
+    """`graph`, marked so that plans made for it (and simulations of it without
+    a plan) run each optimizer update inside the backward pass.
+
+    The planners make their plans with `Plan.from_segments`, which reads the
+    mark: planning on the marked graph plans against the lower floor. The
+    structure, and so the fingerprint, is unchanged.
+
+    Args:
+        graph: A PlanGraph.
+        on: Mark (True) or unmark (False).
+
+    Returns:
+        A new PlanGraph with the same nodes; `graph` itself when it already
+        carries that mark.
+    """
+    if updates_in_backward(graph) == on:
+        return graph
+    metadata = {k: v for k, v in graph.metadata.items() if k != UPDATES_KEY}
+    if on:
+        metadata[UPDATES_KEY] = True
+    return dataclasses.replace(graph, metadata=metadata)
+
+
+def updates_in_backward(graph: PlanGraph) -> bool:
+    """Whether `graph` is marked by `with_updates_in_backward`."""
+    return bool(graph.metadata.get(UPDATES_KEY, False))
 
 
 def _require_views() -> PlanViews:

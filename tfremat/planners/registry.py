@@ -6,7 +6,7 @@ import dataclasses
 import warnings
 from typing import Any, Callable
 
-from tfremat.core import BudgetError, Plan, PlanGraph
+from tfremat.core import BudgetError, Plan, PlanGraph, with_updates_in_backward
 from tfremat.planners import toolkit as seg
 from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
@@ -40,7 +40,8 @@ OFFLOAD_LADDER = (0.0, 0.25, 0.5)
 
 def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
               objective: str = "time", time_limit: float | None = 60.0,
-              verbose: int = 0, offload: bool = True, **settings: Any) -> Plan:
+              verbose: int = 0, offload: bool = True, update_in_backward: bool = False,
+              **settings: Any) -> Plan:
     """Plans recomputation (and host offload) for `graph` under a device budget.
 
     With `planner="auto"`: when the step already fits, an empty plan (no
@@ -66,6 +67,10 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
         verbose: 1 or more shows progress of the DP planners.
         offload: Whether "auto" may offload to host memory when recomputation
             alone cannot meet the budget.
+        update_in_backward: Plan for optimizer updates inside the backward
+            pass (`Plan.update_in_backward`): every plan is simulated with each
+            weight gradient freed by its update, so the planners reach the
+            lower floor. The plan returned carries the setting.
         **settings: Settings of the chosen planner (for "auto": those named in
             `SWAP_SETTINGS` go to the swap planner, the others to the
             approximate DP).
@@ -87,6 +92,8 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
+    # Plans made for the marked graph run their updates in the backward pass.
+    graph = with_updates_in_backward(graph, update_in_backward)
     if planner == "auto":
         return _auto(graph, budget_bytes, objective, time_limit, verbose, offload, settings)
     if planner not in PLANNERS:

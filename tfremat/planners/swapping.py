@@ -156,7 +156,8 @@ def swap(graph: PlanGraph, budget_bytes: int, *, base_plan: Plan | None = None,
             "candidate that lowers the peak.")
     plan = Plan(graph_fingerprint=graph.fingerprint(), budget_bytes=budget_bytes,
                 planner="swap", settings=settings, segments=list(base.segments),
-                offloaded=offloads(), estimates=est.plan_estimate(with_time=True))
+                offloaded=offloads(), estimates=est.plan_estimate(with_time=True),
+                update_in_backward=base.update_in_backward)
     plan.validate(graph)
     return plan
 

@@ -3,7 +3,9 @@
 `rewrite_model(model, plan)` returns a new model sharing the original's layers
 and weights, in which each recompute segment runs as one `RecomputeSegment`
 layer (`exact_recompute.py` over `recompute_grad.py`) and offloaded tensors
-live on the host (`offload.py`). `PlanInstallation` applies a plan to a model's
+live on the host (`offload.py`); with updates in the backward pass, each unit
+applies the optimizer's update to its own weights (`backward_updates.py`).
+`PlanInstallation` applies a plan to a model's
 own training step, undoably (what the `Planner` callback uses). Importing this
 package registers `RecomputeSegment`, so rewritten models saved to `.keras` load
 with `keras.models.load_model`.
@@ -13,8 +15,11 @@ from tfremat.backend import require_tensorflow
 
 require_tensorflow()
 
+from tfremat.rewriter.backward_updates import choose_updates, fallback_reason  # noqa: E402
 from tfremat.rewriter.install import PlanInstallation  # noqa: E402
 from tfremat.rewriter.rewriting import rewrite_model  # noqa: E402
 from tfremat.rewriter.segment_layer import RecomputeSegment  # noqa: E402
+from tfremat.rewriter.update_layer import UpdateUnit  # noqa: E402
 
-__all__ = ["PlanInstallation", "RecomputeSegment", "rewrite_model"]
+__all__ = ["PlanInstallation", "RecomputeSegment", "UpdateUnit", "choose_updates",
+           "fallback_reason", "rewrite_model"]

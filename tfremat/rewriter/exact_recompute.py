@@ -40,7 +40,7 @@ from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
 
 from tfremat.core import UnsupportedModelError
-from tfremat.rewriter.recompute_grad import recompute_grad
+from tfremat.rewriter.recompute_grad import AfterGrads, keep_grad, recompute_grad
 
 
 def state_variables(layers: Sequence[Any]) -> list[Any]:
@@ -193,8 +193,8 @@ class _Forward:
     losses: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
 
 
-def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
-              layers: Sequence[Any]) -> Any:
+def recompute(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
+              after_grads: AfterGrads | None = None) -> Any:
     """Runs `fn(*inputs)` whose activations are recomputed in the backward pass.
 
     Args:
@@ -208,6 +208,8 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
             variables (see `state_variables`) as they were before the forward
             pass and does not assign them. The losses they add are carried
             through the recompute (see the module docstring).
+        after_grads: Called in the gradient function once the unit's
+            gradients exist (`recompute_grad.recompute_grad`).
 
     Returns:
         What `fn` returns, with the Keras masks the forward pass attached.
@@ -218,6 +220,36 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
     """
     state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
+    return _unit(fn, inputs, layers, lambda body: recompute_grad(body, after_grads),
+                 list(zip(state, snapshots)))
+
+
+def keep(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
+         after_grads: AfterGrads) -> Any:
+    """Runs `fn(*inputs)` as one unit of the backward pass, keeping its
+    activations: its gradient function differentiates the forward pass's
+    recording, then calls `after_grads` (`recompute_grad.keep_grad`).
+
+    Masks and the losses the layers add cross the unit as in `recompute`.
+
+    Args:
+        fn: A function of positional tensors only.
+        inputs: The tensors to pass to `fn` (see `recompute`).
+        layers: The Keras layers `fn` calls.
+        after_grads: See `recompute`.
+
+    Returns:
+        What `fn` returns, with the Keras masks the forward pass attached.
+    """
+    return _unit(fn, inputs, layers, lambda body: keep_grad(body, after_grads), [])
+
+
+def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
+          gradient: Callable[[Callable[..., Any]], Callable[..., Any]],
+          state_mapping: list[tuple[Any, Any]]) -> Any:
+    """`fn(*inputs)` under the custom gradient `gradient(body)` makes, with masks
+    and losses carried across (see `recompute`); a recompute (a call of the
+    body after the first) reads the state of `state_mapping`."""
     values = [tf.convert_to_tensor(x) for x in inputs]
     masks = [get_keras_mask(x) for x in inputs]
     # Only floating tensors go through recompute_grad (it adds a float
@@ -238,7 +270,7 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
                 forward.outputs = fn(*args)
             forward.losses = added.losses
             return [*tree.flatten(forward.outputs), *(loss for _, loss in added.losses)]
-        with keras.StatelessScope(state_mapping=list(zip(state, snapshots)),
+        with keras.StatelessScope(state_mapping=state_mapping,
                                   collect_losses=collect), inner_call_context():
             with AddedLosses(layers) as added:
                 outputs = fn(*args)
@@ -248,7 +280,7 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any],
     positional = [values[i] for i in differentiable]
     # recompute_grad needs one argument at least: weights' gradients still
     # flow when every input is an integer (e.g. token ids into an Embedding).
-    results = list(recompute_grad(body)(*(positional or [tf.zeros(())])))
+    results = list(gradient(body)(*(positional or [tf.zeros(())])))
     inner = tree.flatten(forward.outputs)
     outputs, losses = results[:len(inner)], results[len(inner):]
     for (layer, old), new in zip(forward.losses, losses):

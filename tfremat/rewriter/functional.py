@@ -4,7 +4,9 @@ Each Keras Node of the original model is replayed on its own layer object
 (`node.arguments.fill_in`, as `Functional._run_through_graph` does), so the new
 model shares every layer and weight with the original. The nodes of a segment
 are replayed into a functional sub-model instead, wrapped in one
-`RecomputeSegment` layer; nested segments are sub-models inside it.
+`RecomputeSegment` layer; nested segments are sub-models inside it. With
+updates in the backward pass, each other call with trainable weights is
+wrapped in an `UpdateUnit` the same way.
 
 With host offload (`OffloadSettings`), each offloaded tensor gets a `HostCopy`
 after the unit making it, each top-level unit reading it (a layer call or a
@@ -22,9 +24,11 @@ from keras import tree
 
 from tfremat.core import Segment, UnsupportedModelError
 from tfremat.graph import CallSite, as_functional
+from tfremat.rewriter.backward_updates import BackwardUpdates
 from tfremat.rewriter.offload import GradientSignals
 from tfremat.rewriter.offload_layers import GradientSignal, HostCopy, OffloadUnit
 from tfremat.rewriter.segment_layer import RecomputeSegment
+from tfremat.rewriter.update_layer import UpdateUnit
 
 
 @dataclasses.dataclass
@@ -50,7 +54,8 @@ class _Rebuild:
     """State of one rebuild: the original call sites and who reads what."""
 
     def __init__(self, sites: Sequence[CallSite], output_refs: Sequence[str],
-                 taken_names: set[str], offload: OffloadSettings | None) -> None:
+                 taken_names: set[str], offload: OffloadSettings | None,
+                 updates: BackwardUpdates | None = None) -> None:
         self.sites = {s.id: s for s in sites}
         self.order = {s.id: i for i, s in enumerate(sites)}
         self.symbolic = {f"{s.id}:{i}": t
@@ -64,6 +69,7 @@ class _Rebuild:
         self.offload = offload or OffloadSettings({}, "", "")
         self.triggers = {t for t in self.offload.prefetch_after.values() if t is not None}
         self.host: dict[str, Any] = {}
+        self.updates = updates
 
     def unique_name(self, name: str) -> str:
         candidate, k = name, 1
@@ -113,7 +119,10 @@ class _Rebuild:
             if top and any(ref in self.offload.prefetch_after for ref in needs):
                 self.run_offload_unit(unit, env, f"offload_{prefix}_{k}")
             elif isinstance(unit, Segment):
-                self.run_segment(unit, env, f"{prefix}_{k}")
+                self.run_segment(unit, env, f"{prefix}_{k}", self.updates if top else None)
+            elif (top and self.updates is not None and unit not in self.triggers
+                  and getattr(self.sites[unit].operation, "trainable_variables", None)):
+                self.run_update_unit(unit, env, f"update_{unit.replace('/', '_')}")
             else:
                 self.replay(self.sites[unit], env)
             if top:
@@ -140,12 +149,23 @@ class _Rebuild:
         for i, t in enumerate(outputs):
             env[f"{site.id}:{i}"] = t
 
-    def run_segment(self, segment: Segment, env: dict[str, Any], name: str) -> None:
-        """Replays a segment as one `RecomputeSegment` call."""
+    def run_segment(self, segment: Segment, env: dict[str, Any], name: str,
+                    updates: BackwardUpdates | None = None) -> None:
+        """Replays a segment as one `RecomputeSegment` call (updating its own
+        weights in its gradient function when `updates` is given)."""
         name = self.unique_name(name)
         submodel, inputs, outputs = self.submodel(segment, name)
-        layer = RecomputeSegment(submodel, name=name)
+        layer = RecomputeSegment(submodel, updates, name=name)
         results = layer([env[ref] for ref in inputs])
+        for ref, t in zip(outputs, results):
+            env[ref] = t
+
+    def run_update_unit(self, node_id: str, env: dict[str, Any], name: str) -> None:
+        """Replays one call as an `UpdateUnit`, whose gradient function
+        applies the optimizer's update to the call's own weights."""
+        name = self.unique_name(name)
+        submodel, inputs, outputs = self.submodel(Segment([node_id]), name)
+        results = UpdateUnit(submodel, self.updates, name=name)([env[ref] for ref in inputs])
         for ref, t in zip(outputs, results):
             env[ref] = t
 
@@ -191,7 +211,8 @@ class _Rebuild:
 
 def rebuild(model: keras.Model, sites: Sequence[CallSite],
             output_refs: Sequence[str], segments: Sequence[Segment],
-            offload: OffloadSettings | None = None) -> keras.Model:
+            offload: OffloadSettings | None = None,
+            updates: BackwardUpdates | None = None) -> keras.Model:
     """A new functional model sharing `model`'s layers, with recompute segments
     and host offload.
 
@@ -201,6 +222,10 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
         output_refs: References of its outputs, in `model.outputs` order.
         segments: Validated top-level recompute segments.
         offload: The validated offloads, or None.
+        updates: With updates in the backward pass: what the update units
+            share. Each top-level segment and each other call with trainable
+            weights (offload units and prefetch triggers aside) then updates
+            its own weights in its gradient function.
 
     Returns:
         A new `keras.Model` with the same inputs structure and outputs
@@ -208,7 +233,7 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
     """
     functional = as_functional(model)
     taken = {s.operation.name for s in sites} | {s.layer_key for s in sites}
-    state = _Rebuild(sites, output_refs, taken, offload)
+    state = _Rebuild(sites, output_refs, taken, offload, updates)
     env: dict[str, Any] = {}
     for s in sites:
         if s.is_input:

@@ -22,6 +22,7 @@ import keras
 
 from tfremat.core import Plan
 from tfremat.memory import measure_peak
+from tfremat.rewriter.backward_updates import BackwardUpdates
 from tfremat.rewriter.rewriting import rewrite_model
 
 
@@ -49,8 +50,14 @@ class PlanInstallation:
         self.model = model
         self.plan = plan
         self.jit_compile = jit_compile
+        # With updates in the backward pass, the units update with the model's
+        # own optimizer, whose `apply` they patch until `restore()`.
+        self._updates = BackwardUpdates() if plan.update_in_backward else None
+        if self._updates is not None:
+            self._updates.bind(model)
         # Rewriting first: if it fails, nothing of the model was touched.
-        self._call = None if plan.is_empty else rewrite_model(model, plan).call
+        self._call = None if plan.is_empty else rewrite_model(
+            model, plan, updates=self._updates).call
         self._original: Callable[..., Any] | None = None
         self._planned: Callable[..., Any] | None = None
         self.installed = False
@@ -106,9 +113,14 @@ class PlanInstallation:
                                     repeats=repeats)
         finally:
             model.jit_compile = saved_jit
+            if not self.installed and self._updates is not None:
+                self._updates.release()
 
     def restore(self) -> None:
-        """Puts the model's own train function back (safe to call twice)."""
+        """Puts the model's own train function (and its optimizer's `apply`)
+        back (safe to call twice)."""
+        if self._updates is not None:
+            self._updates.release()
         if not self.installed:
             return
         self.model.train_function = self._original

@@ -18,12 +18,21 @@ from typing import Any, Callable
 import tensorflow as tf
 from tensorflow.python.eager import record
 
+#: `after_grads(input_grads, variables, variable_grads)` of a unit's gradient
+#: function, returning the input and variable gradients to hand on (e.g. after
+#: applying the optimizer's update: `backward_updates.BackwardUpdates`).
+AfterGrads = Callable[[list, list, list], tuple[list, list]]
 
-def recompute_grad(f: Callable[..., Any]) -> Callable[..., Any]:
+
+def recompute_grad(f: Callable[..., Any],
+                   after_grads: AfterGrads | None = None) -> Callable[..., Any]:
     """Like `tf.recompute_grad(f)`: `f`'s activations are recomputed in backward.
 
     Args:
         f: A function of positional tensors.
+        after_grads: Called with the input gradients, the variables `f` read
+            and their gradients once the recompute's gradients exist; what it
+            returns is handed on.
 
     Returns:
         A function computing `f` without keeping its intermediate tensors for
@@ -51,7 +60,41 @@ def recompute_grad(f: Callable[..., Any]) -> Callable[..., Any]:
             grads = tape.gradient(outputs, recompute_args + variables,
                                   output_gradients=list(dresult),
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            if after_grads is not None:
+                return after_grads(grads[:len(args)], variables, grads[len(args):])
             return grads[:len(args)], grads[len(args):]
+
+        return result, grad
+
+    return inner
+
+
+def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., Any]:
+    """`f` with its own gradient function, keeping its activations as usual.
+
+    The forward pass runs `f` once under a tape; the gradient function
+    differentiates that recording (no recompute), then calls `after_grads`,
+    like `recompute_grad`'s.
+
+    Args:
+        f: A function of positional tensors.
+        after_grads: See `recompute_grad`.
+
+    Returns:
+        A function computing `f`.
+    """
+
+    @tf.custom_gradient
+    def inner(*args: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            result = f(*args)
+
+        def grad(*dresult: Any, variables: Any = None) -> Any:
+            variables = list(variables or [])
+            grads = tape.gradient(result, list(args) + variables,
+                                  output_gradients=list(dresult))
+            return after_grads(grads[:len(args)], variables, grads[len(args):])
 
         return result, grad
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -11,11 +12,13 @@ import tensorflow as tf
 from tfremat.core import (Plan, PlanValidationError, TfrematError, UnsupportedModelError,
                           validate_plan)
 from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
+from tfremat.rewriter.backward_updates import BackwardUpdates
 from tfremat.rewriter.functional import OffloadSettings, rebuild
 
 
 def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None = None,
-                  host_device: str | None = None, sample: Any = None) -> keras.Model:
+                  host_device: str | None = None, sample: Any = None,
+                  updates: BackwardUpdates | None = None) -> keras.Model:
     """A model computing the same as `model`, recomputing the plan's segments
     and keeping its offloaded tensors on the host.
 
@@ -57,6 +60,16 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     `activity_regularizer`) stay in `model.losses` with their gradient
     (`tfremat.rewriter.exact_recompute`).
 
+    Updates in the backward pass (`plan.update_in_backward`, functional and
+    Sequential models): each top-level segment and each other call with
+    trainable weights applies the optimizer's update to its own weights in its
+    gradient function (`tfremat.rewriter.backward_updates`), with the
+    optimizer of the rewritten model (or of the model `updates` is bound to).
+    Weights shared between units, and weights with a regularizer, are updated
+    after the backward pass. Training gives the weights and optimizer state of
+    plain training; the weights updated in the backward pass get no gradient
+    from `tape.gradient`.
+
     Limits: a tensor recomputed inside its segment, a model output, or any
     tensor of a subclassed model cannot be offloaded (`PlanValidationError`).
     A layer must add the same losses when recomputed as in the forward pass
@@ -79,6 +92,10 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
         sample: Subclassed models only: one input batch, to find the order
             of the sublayer calls when the shapes the model was built with do
             not tell its input (several inputs, integer inputs).
+        updates: With `plan.update_in_backward`, the state the update units
+            share, when the caller binds it to another model (what
+            `PlanInstallation` does); by default a new one bound to the
+            rewritten model.
 
     Returns:
         A new `keras.Model` (uncompiled for functional models: compile it as
@@ -113,6 +130,11 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
             raise PlanValidationError(
                 f"Subclassed model {model.name!r}: host offload is applied to "
                 "functional and Sequential models only. Plan without offload.")
+        if plan.update_in_backward:
+            warnings.warn(f"tfremat: subclassed model {model.name!r} updates its weights "
+                          "after the backward pass: updates in the backward pass apply "
+                          "to functional and Sequential models.", RuntimeWarning,
+                          stacklevel=2)
         return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
     validate_plan(plan, structure_graph(model))
@@ -120,13 +142,24 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     if plan.offloaded:
         offload = OffloadSettings({o.tensor: o.prefetch_after for o in plan.offloaded},
                                   *_offload_devices(compute_device, host_device))
+    if plan.update_in_backward:
+        updates = updates if updates is not None else BackwardUpdates()
+        by_id = {s.id: s.operation for s in sites}
+        inside = plan.recomputed_nodes()
+        updates.set_units([[by_id[n] for n in seg.nodes] for seg in plan.segments]
+                          + [[s.operation] for s in sites if s.id not in inside])
+    else:
+        updates = None
     try:
-        return rebuild(model, sites, output_refs, plan.segments, offload)
+        rewritten = rebuild(model, sites, output_refs, plan.segments, offload, updates)
     except TfrematError:
         raise
     except ValueError as e:
         raise UnsupportedModelError(
             f"Could not rebuild {model.name!r} with the plan's segments: {e}") from e
+    if updates is not None and updates.model is None:
+        updates.bind(rewritten)
+    return rewritten
 
 
 def _offload_devices(compute_device: str | None,

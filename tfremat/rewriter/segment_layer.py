@@ -7,6 +7,7 @@ from typing import Any
 import keras
 from keras import tree
 
+from tfremat.rewriter.backward_updates import BackwardUpdates
 from tfremat.rewriter.exact_recompute import call_functional, recompute
 
 
@@ -37,6 +38,11 @@ class RecomputeSegment(keras.layers.Layer):
         submodel: A functional `keras.Model` taking a list of tensors and
             returning a list of tensors: the segment's layer calls. Nested
             segments appear inside it as `RecomputeSegment` layers.
+        updates: With updates in the backward pass, what the model's update
+            units share: the segment's gradient function then applies the
+            optimizer's update to the segment's own weights
+            (`tfremat.rewriter.backward_updates`). Not saved: a loaded model
+            updates after the backward pass.
         **kwargs: Base `keras.layers.Layer` arguments (`name`, ...).
 
     Example:
@@ -49,9 +55,11 @@ class RecomputeSegment(keras.layers.Layer):
     ```
     """
 
-    def __init__(self, submodel: keras.Model, **kwargs: Any) -> None:
+    def __init__(self, submodel: keras.Model, updates: BackwardUpdates | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.submodel = submodel
+        self.updates = updates
         # The sub-model's layers cast their own inputs; keep dtypes as given.
         self._convert_input_args = False
         self.supports_masking = True
@@ -61,7 +69,8 @@ class RecomputeSegment(keras.layers.Layer):
         def run(*xs: Any) -> list[Any]:
             return call_functional(self.submodel, list(xs), training)
 
-        outputs = recompute(run, list(inputs), [self.submodel])
+        after = self.updates.after_grads if self.updates is not None else None
+        outputs = recompute(run, list(inputs), [self.submodel], after)
         return tree.flatten(outputs)
 
     def compute_mask(self, inputs: list[Any], previous_mask: Any = None) -> None:

@@ -4,7 +4,11 @@ The step is unrolled into steps (forward of each layer call, the loss, backward
 of each call in reverse order, the optimizer update). With a Plan, each
 recompute segment runs its forward without keeping anything inside it, and in
 the backward pass runs its forward again (its nested segments again without
-keeping), then its backward. Every buffer is recorded with the step that makes
+keeping), then its backward. With updates in the backward pass
+(`Plan.update_in_backward`), the optimizer update of a layer call runs right
+after its backward step and that of a segment after the segment's backward,
+each freeing its weight gradients at once (layers called from several units
+are still updated at the end). Every buffer is recorded with the step that makes
 it and the steps that read it; `simulator.py` turns that into memory, and
 `transfers.py` turns the step times into a timeline with host copies.
 
@@ -15,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections import Counter
 from typing import Union
 
-from tfremat.core import Node, Plan, PlanGraph, Segment
+from tfremat.core import Node, Plan, PlanGraph, Segment, updates_in_backward
 from tfremat.simulation.transfers import DEVICE_FLOPS, node_seconds
 
 Key = tuple
@@ -70,9 +75,12 @@ class Schedule:
             unit (seconds when measured, FLOPs otherwise).
         extra_flops: FLOPs of the recomputed forward calls.
         requires_grad: Whether a gradient flows into each node.
+        update_in_backward: Whether optimizer updates run inside the backward
+            pass.
     """
 
-    def __init__(self, graph: PlanGraph, device_flops: float = DEVICE_FLOPS) -> None:
+    def __init__(self, graph: PlanGraph, device_flops: float = DEVICE_FLOPS,
+                 update_in_backward: bool = False) -> None:
         self.graph = graph
         self.device_flops = device_flops
         self.labels: list[str] = []
@@ -95,6 +103,12 @@ class Schedule:
         self.requires_grad = requires_grad(graph)
         self.top = _Context(None)
         self._segment_units: dict[int, list[_Unit]] = {}
+        self.update_in_backward = update_in_backward
+        self._calls = Counter(n.layer for n in graph)
+        # While the backward pass of a top-level segment runs: its layers whose
+        # every call is inside it, and the weight gradients they made so far.
+        self._unit_layers: set[str] | None = None
+        self._unit_grads: list[Key] = []
 
     # -- queries -------------------------------------------------------------
 
@@ -216,6 +230,9 @@ class Schedule:
     def backward(self, unit_list: list[_Unit], ctx: "_Context") -> None:
         for unit in reversed(unit_list):
             if isinstance(unit, Segment):
+                top = self.update_in_backward and self._unit_layers is None
+                if top:
+                    self._unit_layers = self._own_layers(unit)
                 sub = self._units_of(unit)
                 inner = _Context(ctx)
                 originals = self._copy_segment_inputs(unit, ctx, inner)
@@ -223,6 +240,9 @@ class Schedule:
                 self.backward(sub, inner)
                 for key in originals:  # the recompute's closure held them so far
                     self._use(key, len(self.labels) - 1)
+                if top:
+                    self._update_unit(self._unit_grads, len(self.labels) - 1)
+                    self._unit_layers, self._unit_grads = None, []
             elif self.requires_grad[unit.id]:
                 self._backward_node(unit, ctx)
 
@@ -281,7 +301,29 @@ class Schedule:
         if node.param_bytes:
             key = ("wgrad", node.id)
             self._alloc(key, node.param_bytes, step)
-            self.weight_grads.append(key)
+            if not self.update_in_backward or self._calls[node.layer] > 1 and (
+                    self._unit_layers is None or node.layer not in self._unit_layers):
+                self.weight_grads.append(key)  # updated after the backward pass
+            elif self._unit_layers is not None:
+                self._unit_grads.append(key)  # updated after its segment's backward
+            else:
+                self._update_unit([key], step)
+
+    def _own_layers(self, segment: Segment) -> set[str]:
+        """The layers every call of which is inside `segment`."""
+        inside = Counter(self.graph.node(n).layer for n in segment.nodes)
+        return {layer for layer, k in inside.items() if k == self._calls[layer]}
+
+    def _update_unit(self, grads: list[Key], step: int) -> None:
+        """The optimizer update of one unit's weight gradients, at the end of
+        `step`: its workspace (one gradient-sized temporary, at most the
+        whole update's) counts there, and the gradients are freed after it."""
+        if not grads:
+            return
+        nbytes = sum(self.size[k] for k in grads)
+        self.transient[step] += min(self.graph.update_workspace_bytes, nbytes)
+        for key in grads:
+            self._use(key, step)
 
     def update(self) -> None:
         step = self._step("optimizer update", self.graph.update_workspace_bytes)
@@ -296,7 +338,9 @@ def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
     Args:
         graph: The PlanGraph.
         plan: Optional Plan made for `graph` (its offloaded tensors do not
-            change the schedule, only memory and time).
+            change the schedule, only memory and time). Without one, updates
+            run in the backward pass when `graph` is marked for them
+            (`tfremat.core.with_updates_in_backward`).
         device_flops: FLOP/s of the device, for calls without measured times.
 
     Returns:
@@ -307,7 +351,9 @@ def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
     """
     if plan is not None:
         plan.check_graph(graph)
-    return Schedule(graph, device_flops).run(plan.segments if plan is not None else [])
+    updates = plan.update_in_backward if plan is not None else updates_in_backward(graph)
+    return Schedule(graph, device_flops, updates).run(
+        plan.segments if plan is not None else [])
 
 
 class _Context:

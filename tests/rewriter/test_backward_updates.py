@@ -1,0 +1,359 @@
+"""Optimizer updates inside the backward pass: the same weights and optimizer
+state as plain training, the fallbacks, and the user's model and optimizer
+given back."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.rewriter.rewrite_helpers import (plan_for, residual_cnn, restore, snapshot,
+                                            sqrt_segments)
+from tfremat.rewriter import PlanInstallation, fallback_reason, rewrite_model
+
+REL_TOL = 1e-6
+BATCH = 4
+
+
+def schedule() -> keras.optimizers.schedules.LearningRateSchedule:
+    return keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=2, decay_rate=0.7)
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(schedule(), clipvalue=0.05),
+    "sgd-nesterov": lambda: keras.optimizers.SGD(schedule(), momentum=0.9, nesterov=True,
+                                                 clipnorm=0.5),
+    "adam": lambda: keras.optimizers.Adam(schedule(), clipnorm=0.5),
+    "adamw": lambda: keras.optimizers.AdamW(schedule(), weight_decay=0.1, clipnorm=0.5,
+                                            use_ema=True),
+    "rmsprop": lambda: keras.optimizers.RMSprop(schedule(), momentum=0.5, clipnorm=0.5),
+    "adafactor": lambda: keras.optimizers.Adafactor(schedule(), clipnorm=0.5),
+}
+
+
+class TiedOutput(keras.layers.Layer):
+    """Logits from the transposed embedding matrix of another layer."""
+
+    def __init__(self, embedding: keras.layers.Embedding, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+def tied_transformer(vocab: int = 24, seq: int = 8, dim: int = 16) -> keras.Model:
+    """A Transformer block whose output projection shares the embedding."""
+    tokens = keras.Input((seq,), dtype="int32")
+    embedding = keras.layers.Embedding(vocab, dim)
+    x = embedding(tokens)
+    # No attention biases: the key bias's gradient is exactly 0 in theory (softmax
+    # ignores a shift), so it trains on float rounding alone, which Adafactor's
+    # normalised steps turn into steps of the learning rate's size, different
+    # under any other order of operations.
+    a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, use_bias=False)(x, x)
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([x, a]))
+    f = keras.layers.Dense(dim)(keras.layers.Dense(32, activation="gelu")(h))
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+    return keras.Model(tokens, TiedOutput(embedding)(h), name="tied_transformer")
+
+
+def data_for(model: keras.Model, steps: int):
+    rng = np.random.default_rng(0)
+    n = steps * BATCH
+    if model.name == "tied_transformer":
+        x = rng.integers(0, 24, (n, 8)).astype("int32")
+        return x, np.roll(x, 1, axis=1), "sparse_categorical_crossentropy"
+    x = rng.standard_normal((n, 16, 16, 3)).astype("float32")
+    return x, rng.standard_normal((n, 5)).astype("float32"), "mse"
+
+
+def train(model: keras.Model, start, make_optimizer, steps: int, plan=None):
+    """Weights and optimizer variables after `steps` steps of `fit` from
+    `start`, plainly or with `plan` installed."""
+    restore(model, start)
+    x, y, loss = data_for(model, steps)
+    optimizer = make_optimizer()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if loss.startswith(
+        "sparse") else loss
+    model.compile(optimizer=optimizer, loss=loss)
+    if plan is None:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    else:
+        optimizer.build(model.trainable_variables)
+        with PlanInstallation(model, plan):
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        assert "apply" not in vars(optimizer), "the optimizer's own apply is given back"
+    return snapshot(model), [np.array(v.numpy()) for v in optimizer.variables]
+
+
+def assert_same(expected, got) -> None:
+    """Integer variables (step counters) equal; floating ones within REL_TOL of
+    their global norm (a weight whose gradient is ~0, as an attention key's
+    bias, differs by float rounding only, and relatively more)."""
+    assert len(expected) == len(got)
+    floats = [(a, b) for a, b in zip(expected, got) if a.dtype.kind == "f"]
+    for a, b in zip(expected, got):
+        if a.dtype.kind != "f":
+            np.testing.assert_array_equal(a, b)
+    if not floats:  # plain SGD keeps only its step counter
+        return
+    a = np.concatenate([a.ravel() for a, _ in floats]).astype(np.float64)
+    b = np.concatenate([b.ravel() for _, b in floats]).astype(np.float64)
+    err = np.linalg.norm(a - b) / np.linalg.norm(a)
+    assert err <= REL_TOL, f"relative error {err:.3g}"
+
+
+def updates_plan(model: keras.Model, segmented: bool):
+    plan = plan_for(model, sqrt_segments(model) if segmented else [])
+    plan.update_in_backward = True
+    return plan
+
+
+MODELS = {"cnn": lambda: residual_cnn(2), "transformer": tied_transformer}
+
+FAST = [("cnn", "adam", True), ("transformer", "adamw", False)]
+ALL = [(m, o, s) for m in MODELS for o in OPTIMIZERS for s in (True, False)]
+
+
+@pytest.mark.parametrize(
+    "model_name, optimizer, segmented",
+    FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in ALL if case not in FAST])
+def test_updates_in_backward_train_as_plain(model_name, optimizer, segmented):
+    steps = 3 if (model_name, optimizer, segmented) in FAST else 20
+    keras.utils.set_random_seed(0)
+    model = MODELS[model_name]()
+    start = snapshot(model)
+    weights, slots = train(model, start, OPTIMIZERS[optimizer], steps)
+    plan = updates_plan(model, segmented)
+    weights_b, slots_b = train(model, start, OPTIMIZERS[optimizer], steps, plan)
+    assert any(not np.array_equal(a, b) for a, b in zip(start, weights)), "training moved"
+    assert_same(weights, weights_b)
+    assert_same(slots, slots_b)
+
+
+def test_own_weights_are_updated_inside_the_backward_pass():
+    keras.utils.set_random_seed(0)
+    model = tied_transformer()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    rewritten = rewrite_model(model, updates_plan(model, segmented=True))
+    rewritten.compile(optimizer=model.optimizer, loss="mse")
+    x, _, _ = data_for(model, 1)
+    before = snapshot(model)
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(rewritten(x, training=True))
+        return tape.gradient(loss, rewritten.trainable_variables)
+
+    grads = gradients(x[:BATCH])
+    shared = model.get_layer(index=1).embeddings
+    for v, g in zip(rewritten.trainable_variables, grads):
+        # The tied embedding's gradient is complete only after the backward
+        # pass: it is left to apply; every other weight was updated in it.
+        assert (g is None) == (v is not shared), v.path
+    moved = {id(v) for v, a in zip(model.variables, before) if not np.array_equal(
+        v.numpy(), a)}
+    assert moved == {id(v) for v in model.trainable_variables if v is not shared}
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def small(model_class=keras.Model) -> keras.Model:
+    x = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu")(x)
+    return model_class(x, keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("global_clipnorm", "global_clipnorm"),
+    ("loss_scale", "LossScaleOptimizer"),
+    ("accumulation", "gradient_accumulation_steps"),
+    ("train_step", "own train_step"),
+    ("nadam", "Nadam overrides"),
+    ("strategy", "tf.distribute"),
+    ("uncompiled", "no optimizer"),
+    ("subclassed", "subclassed models"),
+])
+def test_each_fallback_says_why(case, expected):
+    if case == "subclassed":
+        model = Subclassed()
+        model(np.zeros((1, 4), "float32"))
+        model.compile(optimizer="sgd", loss="mse")
+    elif case == "strategy":
+        with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+            model = small()
+            model.compile(optimizer="sgd", loss="mse")
+    else:
+        model = small(OwnStep if case == "train_step" else keras.Model)
+        optimizer = {
+            "global_clipnorm": keras.optimizers.SGD(0.1, global_clipnorm=1.0),
+            "loss_scale": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+            "accumulation": keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+            "nadam": keras.optimizers.Nadam(0.1),
+        }.get(case, keras.optimizers.SGD(0.1))
+        if case != "uncompiled":
+            model.compile(optimizer=optimizer, loss="mse")
+    assert expected in fallback_reason(model)
+
+
+def test_a_plain_model_has_no_fallback():
+    model = small()
+    model.compile(optimizer=keras.optimizers.AdamW(0.1, clipnorm=1.0, use_ema=True),
+                  loss="mse")
+    assert fallback_reason(model) is None
+
+
+def test_a_plan_that_cannot_update_in_backward_trains_exactly_as_plain():
+    keras.utils.set_random_seed(0)
+    model = residual_cnn(1)
+    start = snapshot(model)
+
+    def clipped():
+        return keras.optimizers.Adam(0.01, global_clipnorm=0.5)
+
+    weights, slots = train(model, start, clipped, 3)
+    with pytest.warns(RuntimeWarning, match="global_clipnorm"):
+        weights_b, slots_b = train(model, start, clipped, 3,
+                                   updates_plan(model, segmented=False))
+    for a, b in zip(weights + slots, weights_b + slots_b):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_users_model_and_optimizer_come_back_after_an_error():
+    keras.utils.set_random_seed(0)
+    model = residual_cnn(1)
+    optimizer = keras.optimizers.Adam(0.01)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y, _ = data_for(model, 2)
+    optimizer.build(model.trainable_variables)
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            assert "apply" in vars(optimizer)  # patched while the plan runs
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with PlanInstallation(model, updates_plan(model, segmented=True)):
+            model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[Boom()])
+    assert "apply" not in vars(optimizer) and "call" not in vars(model)
+    # Plain training again: every weight gets its gradient and is updated by apply.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x[:BATCH], training=True))
+    assert all(g is not None for g in tape.gradient(loss, model.trainable_variables))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Gradients do not exist" warning
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+def wide_mlp() -> keras.Model:
+    """Weights (and so weight gradients) large beside the activations."""
+    x = keras.Input((256,))
+    h = x
+    for _ in range(4):
+        h = keras.layers.Dense(256, activation="relu")(h)
+    return keras.Model(x, keras.layers.Dense(4)(h), name="wide_mlp")
+
+
+def test_auto_plans_updates_in_backward_under_a_binding_budget():
+    import tfremat
+    from tfremat import simulate
+
+    model = wide_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    graph = tfremat.extract(model, batch_size=8)
+    plain = simulate(graph).peak_mb
+    roomy = tfremat.plan(model, plain * 1.1, graph=graph)
+    assert roomy.is_empty and "not needed" in roomy.update_note
+    tight = tfremat.plan(model, plain * 0.95, graph=graph)
+    assert tight.update_in_backward and tight.peak_bytes <= plain * 0.95 * 2**20
+    with pytest.raises(tfremat.BudgetError):  # the weight gradients are the floor
+        tfremat.plan(model, plain * 0.95, graph=graph, update_in_backward=False)
+    lines = []
+    tight.summary(print_fn=lines.append)
+    assert "Updates:         in the backward pass" in lines[0]
+    model.compile(optimizer=keras.optimizers.Adam(1e-3, global_clipnorm=1.0), loss="mse")
+    with pytest.warns(RuntimeWarning, match="global_clipnorm"):
+        asked = tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward=True)
+    assert not asked.update_in_backward and "global_clipnorm" in asked.update_note
+
+
+def test_the_planner_callback_trains_with_updates_in_backward_as_plain():
+    import tfremat
+
+    keras.utils.set_random_seed(0)
+    model = wide_mlp()
+    start = snapshot(model)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 256)).astype("float32")
+    y = rng.standard_normal((16, 4)).astype("float32")
+    results = []
+    for callbacks in ([], None):
+        restore(model, start)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        if callbacks is None:
+            graph = tfremat.extract(model, batch_size=BATCH)
+            budget = tfremat.simulate(graph).peak_mb * 0.95
+            planner = tfremat.Planner(budget, verbose=0, measure=False, replan=False)
+            callbacks = [planner]
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        results.append(snapshot(model) + [v.numpy() for v in model.optimizer.variables])
+    assert planner.plan.update_in_backward
+    assert "apply" not in vars(model.optimizer)
+    assert_same(results[0], results[1])
+
+
+def test_the_command_line_turns_it_off():
+    from tfremat.cli import build_parser
+
+    args = ["plan", "resnet50", "--budget-mb", "300"]
+    assert build_parser().parse_args(args).update_in_backward == "auto"
+    assert build_parser().parse_args(args + ["--no-update-in-backward"]
+                                     ).update_in_backward is False
+
+
+def test_a_bad_setting_is_refused_at_the_door():
+    import tfremat
+
+    with pytest.raises(ValueError, match="update_in_backward"):
+        tfremat.Planner(100, update_in_backward="yes")
+    with pytest.raises(ValueError, match="update_in_backward"):
+        tfremat.plan(small(), 100, batch_size=2, update_in_backward="always")
+
+
+def test_a_rewritten_model_with_update_units_saves_and_loads(tmp_path):
+    from tfremat.rewriter import UpdateUnit
+
+    keras.utils.set_random_seed(0)
+    model = residual_cnn(1)
+    rewritten = rewrite_model(model, updates_plan(model, segmented=True))
+    assert any(isinstance(layer, UpdateUnit) for layer in rewritten.layers)
+    x, y, _ = data_for(model, 1)
+    path = tmp_path / "rewritten.keras"
+    rewritten.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  rewritten.predict(x, verbose=0))
+    # Loaded, it updates after the backward pass: every weight gets its gradient.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(loaded(x, training=True))
+    assert all(g is not None for g in tape.gradient(loss, loaded.trainable_variables))

@@ -1,0 +1,103 @@
+"""The simulator with optimizer updates inside the backward pass: each unit's
+weight gradients are freed by its update, shared layers' at the end."""
+
+from tests.planners import graphs as G
+from tfremat import simulate
+from tfremat.core import Plan, Segment, with_updates_in_backward
+from tfremat.planners import make_plan, min_feasible_budget
+from tfremat.simulation import build_schedule
+
+MIB = 2**20
+
+
+def heavy_chain(n: int = 8, param_mib: float = 4.0, shared: bool = False):
+    """A chain of dense calls whose weights (and so gradients) are large; with
+    `shared`, the last call reuses the layer of the first."""
+    b = G.Builder("heavy")
+    x = b.input()
+    for i in range(n):
+        last = shared and i == n - 1
+        x = b.layer("Dense", [x], cost=10.0, params=0 if last else int(param_mib * MIB),
+                    layer="dense_shared" if shared and i in (0, n - 1) else None)
+    return b.graph([x], persistent_mib=n * param_mib)
+
+
+def test_updates_in_the_backward_pass_free_each_gradient_at_once():
+    graph = heavy_chain()
+    plain = simulate(graph)
+    plan = Plan.from_segments(graph, [], update_in_backward=True)
+    early = simulate(graph, plan)
+    # Without: the weight gradients (4 MiB each) pile up until the final update.
+    # With: one at a time besides the 9 activations (1 MiB each).
+    assert plain.activation_peak_bytes >= 8 * 4 * MIB
+    assert early.activation_peak_bytes == 9 * MIB + 4 * MIB
+    schedule = build_schedule(graph, plan)
+    for node in graph:
+        if node.param_bytes:
+            key = ("wgrad", node.id)
+            assert schedule.last_use[key] == schedule.alloc_step[key]
+
+
+def test_a_marked_graph_simulates_like_a_plan_with_updates():
+    graph = heavy_chain()
+    marked = with_updates_in_backward(graph)
+    assert marked.fingerprint() == graph.fingerprint()
+    assert simulate(marked).peak_bytes == simulate(
+        graph, Plan.from_segments(graph, [], update_in_backward=True)).peak_bytes
+    assert with_updates_in_backward(marked, False).metadata == graph.metadata
+
+
+def test_a_shared_layer_is_updated_after_the_backward_pass():
+    graph = heavy_chain(shared=True)
+    schedule = build_schedule(graph, Plan.from_segments(graph, [], update_in_backward=True))
+    key = ("wgrad", "dense_shared@0")
+    assert schedule.last_use[key] == len(schedule.labels) - 1  # the final update
+    own = ("wgrad", "dense_1")
+    assert schedule.last_use[own] == schedule.alloc_step[own]
+
+
+def test_a_segments_gradients_live_until_its_backward_ends():
+    graph = heavy_chain()
+    ids = [n.id for n in graph][2:5]
+    plan = Plan.from_segments(graph, [Segment(ids)], update_in_backward=True)
+    schedule = build_schedule(graph, plan)
+    last = max(schedule.backward_step[i] for i in ids)
+    for i in ids:
+        assert schedule.last_use[("wgrad", i)] == last
+    # The segment's own shared layer (both calls inside) is updated with it too.
+    shared = heavy_chain(shared=True)
+    inside = [n.id for n in shared][1:]
+    schedule = build_schedule(shared, Plan.from_segments(
+        shared, [Segment(inside)], update_in_backward=True))
+    assert schedule.last_use[("wgrad", "dense_shared@0")] < len(schedule.labels) - 1
+
+
+def test_planners_plan_against_the_lower_floor():
+    graph = heavy_chain(12)
+    plain_min = min_feasible_budget(graph, "chen-sqrt")
+    early_min = min_feasible_budget(graph, "chen-sqrt", update_in_backward=True)
+    assert early_min < plain_min - 5 * 4 * MIB
+    plan = make_plan(graph, early_min, "chen-sqrt", update_in_backward=True)
+    assert plan.update_in_backward
+    assert plan.peak_bytes == simulate(graph, plan).peak_bytes <= early_min
+    # "auto" too, offload included, and a plain plan stays plain.
+    auto = make_plan(graph, early_min, update_in_backward=True)
+    assert auto.update_in_backward and auto.peak_bytes <= early_min
+    assert not make_plan(graph, plain_min, "chen-sqrt").update_in_backward
+
+
+def test_the_flag_round_trips_and_shows_in_the_summary():
+    graph = heavy_chain()
+    plan = make_plan(graph, min_feasible_budget(graph, "chen-sqrt", update_in_backward=True),
+                     "chen-sqrt", update_in_backward=True)
+    again = Plan.from_json(plan.to_json())
+    assert again.update_in_backward and again == plan
+    fell_back = Plan.from_segments(graph, [], update_note="global_clipnorm needs every gradient")
+    assert Plan.from_json(fell_back.to_json()).update_note == fell_back.update_note
+    assert fell_back.is_empty and not Plan.from_segments(
+        graph, [], update_in_backward=True).is_empty
+    lines = []
+    plan.summary(graph, print_fn=lines.append)
+    assert "Updates:         in the backward pass" in lines[0]
+    fell_back.summary(graph, print_fn=lines.append)
+    assert "after the backward pass (global_clipnorm needs every gradient)" in lines[1]

@@ -1,0 +1,374 @@
+"""Optimizer updates inside the backward pass.
+
+Plain Keras keeps every weight gradient until `optimizer.apply` runs after the
+whole backward pass: at the end of backward, all the model's gradients are alive
+at once. With updates in the backward pass, each unit of the rewritten model (a
+layer call, or a recompute segment) applies the optimizer's per-variable update
+in its own gradient function, as soon as its weight gradients are complete, and
+hands no gradient on for those weights: each gradient is freed right after its
+update, before the backward pass goes on.
+
+The maths are `optimizer.apply`'s: the per-variable part of `apply`
+(`apply_to_variables`: loss-scale factor, per-variable `clipnorm`/`clipvalue`,
+weight decay, `update_step`, constraints) runs in the backward pass, reading the
+learning rate (schedules included) and `iterations` before the step's
+increment. The optimizer's `apply` is patched (`BackwardUpdates.patch`) so that
+after the backward pass it updates only the remaining variables (shared weights,
+whose gradient is complete only there; weights with a regularizer, whose loss
+is computed outside their unit), then advances `iterations` once and updates
+EMA as `apply` does. A variable is updated in the backward pass only when it
+belongs to exactly one unit.
+
+`fallback_reason` says when this cannot be exact (the update needs every
+gradient, or the training step or optimizer are not Keras's own); the plan
+then runs updates after the backward pass, as plain Keras does.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Iterable, Sequence
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+from tfremat.core import PlanGraph, with_updates_in_backward
+from tfremat.graph import is_subclassed
+from tfremat.simulation import simulate
+
+#: Optimizer methods whose code decides what an update does. An optimizer
+#: overriding any of them (Nadam's per-step product, Muon, ...) updates in ways
+#: the split into per-unit and remaining updates cannot know.
+UPDATE_METHODS = ("apply", "apply_gradients", "stateless_apply", "_backend_apply_gradients",
+                  "_backend_update_step", "_distributed_tf_update_step", "_clip_gradients",
+                  "_apply_weight_decay", "_filter_empty_gradients",
+                  "_overwrite_variables_directly_with_gradients",
+                  "_update_model_variables_moving_average")
+
+_KERAS_OPTIMIZERS = (BaseOptimizer, TFOptimizer, keras.optimizers.Optimizer)
+
+
+def optimizer_fallback_reason(optimizer: Any) -> str | None:
+    """Why `optimizer`'s updates cannot run in the backward pass, or None.
+
+    Args:
+        optimizer: A Keras optimizer, or None.
+
+    Returns:
+        A sentence saying why, or None when they can.
+    """
+    if optimizer is None:
+        return "the model has no optimizer (compile it first)"
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return ("LossScaleOptimizer (mixed_float16) checks every gradient for inf/NaN "
+                "before any update")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return f"{type(optimizer).__name__} is not a Keras optimizer"
+    if optimizer.global_clipnorm:
+        return "global_clipnorm needs the norm of every gradient before any update"
+    if optimizer.gradient_accumulation_steps:
+        return "gradient_accumulation_steps accumulates gradients across steps"
+    for name in UPDATE_METHODS:
+        owner = next(c for c in type(optimizer).__mro__ if name in vars(c))
+        if owner not in _KERAS_OPTIMIZERS:
+            return (f"{type(optimizer).__name__} overrides {name}, so its update may "
+                    "need every gradient")
+    return None
+
+
+def fallback_reason(model: keras.Model) -> str | None:
+    """Why `model`'s optimizer updates cannot run in the backward pass, or None.
+
+    They run there only when doing so gives exactly the update of
+    `optimizer.apply` after the full backward pass: a functional or Sequential
+    model with Keras's own `train_step`, no `tf.distribute` strategy (its
+    all-reduce needs all gradients) and an optimizer that updates each variable
+    from its own gradient (see `optimizer_fallback_reason`).
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        A sentence saying why not, or None when they can.
+
+    Example:
+
+    ```python
+    reason = fallback_reason(model)
+    if reason:
+        print("updates stay after the backward pass:", reason)
+    ```
+    """
+    if type(model).train_step is not TensorFlowTrainer.train_step:
+        return (f"{type(model).__name__} has its own train_step, which may change the "
+                "gradients before the update")
+    if getattr(model, "_distribute_strategy", None) is not None or tf.distribute.has_strategy():
+        return "a tf.distribute strategy all-reduces every gradient before the update"
+    if is_subclassed(model):
+        return ("subclassed models are rewritten block by block; updates in the backward "
+                "pass apply to functional and Sequential models")
+    return optimizer_fallback_reason(getattr(model, "optimizer", None))
+
+
+def choose_updates(model: keras.Model, graph: PlanGraph, budget_bytes: int,
+                   setting: bool | str) -> tuple[bool, str]:
+    """Whether a plan for `model` runs its updates in the backward pass.
+
+    Args:
+        model: The model planned for.
+        graph: Its PlanGraph.
+        budget_bytes: The budget planned for.
+        setting: True (when the optimizer allows it; a warning says why not
+            otherwise), False, or `"auto"`: on when the optimizer allows it,
+            the step does not fit the budget as it is, and updates in the
+            backward pass lower its simulated peak.
+
+    Returns:
+        The decision, and the note a plan carries when it is False ("" when
+        updates in the backward pass were not asked for).
+
+    """
+    if setting is False:
+        return False, ""
+    reason = fallback_reason(model)
+    if reason is not None:
+        if setting is True:
+            warnings.warn(f"tfremat: updates in the backward pass were asked for, but they "
+                          f"stay after it: {reason}.", RuntimeWarning, stacklevel=3)
+        return False, reason
+    if setting == "auto":
+        plain = simulate(graph).peak_bytes
+        if plain <= budget_bytes:
+            return False, "not needed: the step fits the budget"
+        if simulate(with_updates_in_backward(graph)).peak_bytes >= plain:
+            return False, "they would not lower the simulated peak"
+    return True, ""
+
+
+def apply_to_variables(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+    """The per-variable part of `optimizer.apply` for some of its variables.
+
+    Everything `apply` does for a variable, in its order: the loss-scale
+    factor, per-variable clipping, weight decay, `update_step` (reading the
+    current learning rate and `iterations`), the variable's constraint. What
+    `apply` does once per step (advance `iterations`, EMA) is left to the
+    patched `apply` after the backward pass.
+
+    Args:
+        optimizer: A built Keras optimizer that `optimizer_fallback_reason`
+            accepts.
+        grads: The complete gradient of each variable.
+        variables: Keras variables the optimizer was built with.
+    """
+    with keras.name_scope(optimizer.name, caller=optimizer):
+        scale = optimizer.loss_scale_factor
+        if scale is not None:
+            grads = [g / scale for g in grads]
+        grads = optimizer._clip_gradients(list(grads))
+        optimizer._apply_weight_decay(list(variables))
+        optimizer._backend_update_step(grads, list(variables), optimizer.learning_rate)
+        for variable in variables:
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
+
+
+class _Eager:
+    """The key of updates made outside any `tf.function` (weak-referenceable)."""
+
+
+_EAGER = _Eager()
+
+
+def _trace_key() -> Any:
+    """What the updates of one step are kept under: the graph being traced,
+    or one key for eager steps."""
+    if tf.executing_eagerly():
+        return _EAGER
+    return tf.compat.v1.get_default_graph()
+
+
+class BackwardUpdates:
+    """What the update units of one rewritten model share.
+
+    Attributes:
+        model: The model whose optimizer updates (the rewritten model, or the
+            user's model while a plan is installed in it); None: no updates.
+        shared: Ids of the variables that belong to more than one unit (or
+            have a regularizer): updated after the backward pass
+            (`set_units`).
+
+    Example:
+
+    ```python
+    updates = BackwardUpdates()
+    updates.set_units([[conv1], [bn1], [dense, tied_output]])
+    updates.bind(model)
+    # ... units call updates.after_grads in their gradient functions ...
+    updates.release()   # gives the optimizer its own apply back
+    ```
+    """
+
+    def __init__(self) -> None:
+        self.shared: set[int] = set()
+        self.model: keras.Model | None = None
+        self._warned: set[str] = set()
+        self._done: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._patched: list[Any] = []
+
+    def set_units(self, units: Iterable[Sequence[Any]]) -> None:
+        """Records the layers of each unit of the model (see `shared_variables`)."""
+        self.shared = shared_variables(units)
+
+    def bind(self, model: keras.Model) -> None:
+        """Updates with `model.optimizer` from now on."""
+        self.model = model
+
+    def optimizer(self) -> Any:
+        """The optimizer to update with now, or None: updates stay after the
+        backward pass, and a warning (once per reason) says why."""
+        if self.model is None:
+            return None  # not bound (yet): nothing to update with
+        reason = fallback_reason(self.model)
+        if reason is None:
+            return self.model.optimizer
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"tfremat: optimizer updates of {self.model.name!r} run after "
+                          f"the backward pass, not in it: {reason}.", RuntimeWarning,
+                          stacklevel=2)
+        return None
+
+    def after_grads(self, input_grads: list[Any], variables: list[Any],
+                    var_grads: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Updates the unit's own variables from their complete gradients.
+
+        Called by a unit's gradient function once its input and weight
+        gradients exist. The update waits for the input gradients (so the
+        weights' forward values are no longer read when they are assigned),
+        and the input gradients handed on wait for the update (so the
+        backward pass goes on only once the weight gradients are freed).
+
+        Args:
+            input_grads: Gradients of the unit's inputs.
+            variables: The `tf.Variable`s the unit read.
+            var_grads: Their gradients (None where unconnected).
+
+        Returns:
+            The input gradients, and the variables' gradients with None for
+            each variable updated here.
+        """
+        optimizer = self.optimizer()
+        if optimizer is None:
+            return input_grads, var_grads
+        if not optimizer.built:
+            raise RuntimeError(
+                "tfremat: updates in the backward pass need a built optimizer: "
+                "call optimizer.build(model.trainable_variables) before training "
+                "(model.fit does).")
+        # The tf.Variable under each Keras variable (`value` may be an autocast).
+        known = {id(v._value): v for v in self.model.trainable_variables
+                 if id(v) not in self.shared and v.regularizer is None
+                 and not v.overwrite_with_gradient}
+        chosen = [k for k, (v, g) in enumerate(zip(variables, var_grads))
+                  if g is not None and id(v) in known]
+        if not chosen:
+            return input_grads, var_grads
+        done = [known[id(variables[k])] for k in chosen]
+        waits = [g.values if isinstance(g, tf.IndexedSlices) else g
+                 for g in [*input_grads, *var_grads] if g is not None]
+        with tf.control_dependencies(waits):
+            apply_to_variables(optimizer, [var_grads[k] for k in chosen], done)
+            # Reads after the assignments (automatic control dependencies order them).
+            after = [tf.identity(v.value) for v in done]
+        with tf.control_dependencies(after):
+            input_grads = [None if g is None else tf.identity(g) for g in input_grads]
+        self._done.setdefault(_trace_key(), set()).update(id(v) for v in done)
+        self.patch(optimizer)
+        var_grads = list(var_grads)
+        for k in chosen:
+            var_grads[k] = None
+        return input_grads, var_grads
+
+    def patch(self, optimizer: Any) -> None:
+        """Makes `optimizer.apply` leave out the variables updated in this
+        step's backward pass (once per optimizer; `release` undoes it).
+
+        The patched `apply` behaves as the optimizer's own when no variable was
+        updated in the backward pass of the step (or trace) calling it.
+        """
+        if any(o is optimizer for o in self._patched):
+            return
+        own = vars(optimizer).get("apply")
+        original = optimizer.apply
+        done = self._done
+
+        def apply(grads: Iterable[Any], trainable_variables: Any = None) -> None:
+            updated = done.pop(_trace_key(), None)
+            grads = list(grads)
+            if not updated:
+                return original(grads, trainable_variables)
+            variables = (list(trainable_variables) if trainable_variables is not None
+                         else list(optimizer._trainable_variables))
+            rest = [(g, v) for g, v in zip(grads, variables) if id(v) not in updated]
+            if any(g is not None for g, _ in rest):
+                return original([g for g, _ in rest], [v for _, v in rest])
+            _finish_step(optimizer)
+
+        apply.__tfremat_own__ = own  # what `release` puts back
+        optimizer.apply = apply
+        self._patched.append(optimizer)
+
+    def release(self) -> None:
+        """Gives each patched optimizer its own `apply` back."""
+        for optimizer in self._patched:
+            own = optimizer.apply.__tfremat_own__
+            if own is None:
+                del optimizer.apply
+            else:
+                optimizer.apply = own
+        self._patched = []
+        self._done = weakref.WeakKeyDictionary()
+
+
+def _finish_step(optimizer: Any) -> None:
+    """What `apply` does once per step when every gradient was applied in the
+    backward pass: EMA (as `_backend_apply_gradients`), then `iterations`."""
+    with keras.name_scope(optimizer.name, caller=optimizer):
+        if optimizer.use_ema:
+            optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+            if optimizer.ema_overwrite_frequency:
+                overwrite = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
+                keras.ops.cond(
+                    overwrite,
+                    lambda: optimizer._overwrite_model_variables_with_average_value(
+                        optimizer._trainable_variables),
+                    lambda: None)
+    optimizer._iterations.assign_add(1)
+
+
+def shared_variables(units: Iterable[Sequence[Any]]) -> set[int]:
+    """Ids of the trainable variables that cannot be updated in one unit.
+
+    Args:
+        units: For each unit of a rewritten model, the layers it calls.
+
+    Returns:
+        The ids of variables read by more than one unit (shared layers, tied
+        weights), and of those with a regularizer (its loss is computed after
+        the forward pass, outside any unit).
+    """
+    owners: dict[int, int] = {}
+    out: set[int] = set()
+    for layers in units:
+        seen = {id(v): v for layer in layers
+                for v in getattr(layer, "trainable_variables", [])}
+        for key, v in seen.items():
+            owners[key] = owners.get(key, 0) + 1
+            if v.regularizer is not None:
+                out.add(key)
+    return out | {key for key, n in owners.items() if n > 1}
+
