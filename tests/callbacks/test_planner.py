@@ -147,7 +147,7 @@ def test_missing_graphviz_costs_a_warning_not_the_training(budget_mb, tmp_path,
 
 @pytest.mark.parametrize("options", [
     {"jit_compile": True},
-    {"steps_per_execution": 2},
+    pytest.param({"steps_per_execution": 2}, marks=pytest.mark.slow),
 ])
 def test_compile_options(budget_mb, options):
     x, y = data()
