@@ -42,7 +42,7 @@ def check_budget_mb(budget_mb: Any, name: str = "budget_mb") -> float:
 
 
 def check_planner(planner: str, objective: str, offload: bool | str = "auto",
-                  update_in_backward: bool | str = "auto") -> None:
+                  update_in_backward: bool | str = False) -> None:
     """Raises ValueError for an unknown planner, objective, offload or
     update_in_backward setting."""
     if planner != "auto" and planner not in PLANNERS:
@@ -71,7 +71,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", objective: str = "time",
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None, measure: bool = False, max_trials: int = 3,
-         strategy: str | None = None, update_in_backward: bool | str = "auto",
+         strategy: str | None = None, update_in_backward: bool | str = False,
          **settings: Any) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
@@ -109,9 +109,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward
             pass, freeing weight gradients as soon as they are used
-            (docs/updates-in-backward.md): True, False, or `"auto"` (when the
-            step does not fit as it is, the optimizer allows it and it lowers
-            the simulated peak). Where it cannot be exact (`global_clipnorm`,
+            (docs/updates-in-backward.md; experimental): False (the default),
+            True, or `"auto"` (when the step does not fit as it is, the
+            optimizer allows it and it lowers the simulated peak). Where it cannot be exact (`global_clipnorm`,
             `LossScaleOptimizer`, gradient accumulation, a custom
             `train_step`, a `tf.distribute` strategy) the plan says why in
             `update_note` and updates after the backward pass.
@@ -325,7 +325,7 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             sample: Any = None, planner: str = "auto", objective: str = "time",
             compute_device: str | None = None, host_device: str | None = None,
             strategy: str | None = None,
-            update_in_backward: bool | str = "auto") -> keras.Model:
+            update_in_backward: bool | str = False) -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 
     Either pass a `Plan`, or a `budget_mb` (with `batch_size` or `sample`) to plan

@@ -13,6 +13,9 @@ from tfremat.demo import resnet_style
 
 BATCH = 16
 
+# Tests of behaviour other than measuring plan with measure=False: each measured
+# trial rewrites and traces another step. Measuring is tested by
+# test_trains_under_budget_with_the_same_losses and tests/test_measured_choice.py.
 
 def make_model(seed: int = 3, **compile_kwargs) -> keras.Model:
     keras.utils.set_random_seed(seed)
@@ -127,7 +130,8 @@ def test_plan_picture_is_exported(budget_mb, tmp_path):
     x, y = data(2)
     path = tmp_path / "plan.svg"
     make_model().fit(x, y, batch_size=BATCH, verbose=0,
-                     callbacks=[tfremat.Planner(budget_mb, verbose=0, export=str(path))])
+                     callbacks=[tfremat.Planner(budget_mb, verbose=0, measure=False,
+                                                export=str(path))])
     assert path.read_text().lstrip().startswith("<?xml")
 
 
@@ -135,7 +139,8 @@ def test_missing_graphviz_costs_a_warning_not_the_training(budget_mb, tmp_path,
                                                            monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` to be found
     x, y = data(2)
-    planner = tfremat.Planner(budget_mb, verbose=0, export=str(tmp_path / "plan.png"))
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False,
+                              export=str(tmp_path / "plan.png"))
     with pytest.warns(RuntimeWarning, match="apt-get install graphviz"):
         hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
                                 callbacks=[planner])
@@ -153,7 +158,7 @@ def test_compile_options(budget_mb, options):
     x, y = data()
     plain_hist = make_model(**options).fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
                                           shuffle=False)
-    planner = tfremat.Planner(budget_mb, verbose=0)
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
     hist = make_model(**options).fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
                                      shuffle=False, callbacks=[planner])
     assert not planner.plan.is_empty
@@ -163,7 +168,7 @@ def test_compile_options(budget_mb, options):
 def test_tf_data_input_with_validation(budget_mb):
     x, y = data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    planner = tfremat.Planner(budget_mb, verbose=0)
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
     hist = make_model().fit(ds, validation_data=ds, epochs=1, verbose=0, callbacks=[planner])
     assert "val_loss" in hist.history and "peak_memory_mb" in hist.history
 
@@ -172,7 +177,7 @@ def test_csv_logger_records_the_peaks(budget_mb, tmp_path):
     x, y = data(2)
     path = tmp_path / "log.csv"
     make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
-        tfremat.Planner(budget_mb, verbose=0), keras.callbacks.CSVLogger(str(path))])
+        tfremat.Planner(budget_mb, verbose=0, measure=False), keras.callbacks.CSVLogger(str(path))])
     header = path.read_text().splitlines()[0]
     assert "peak_memory_mb" in header and "predicted_peak_mb" in header
 
@@ -219,7 +224,7 @@ def test_an_excess_above_the_whole_budget_ends_in_the_best_effort_plan(budget_mb
     the callback warns and trains with its lowest-peak plan instead of failing."""
     x, y = data(2)
     monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 3 * budget_mb)
-    planner = tfremat.Planner(budget_mb, verbose=0, max_replans=1)
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False, max_replans=1)
     with pytest.warns(RuntimeWarning, match="lowest reachable prediction"):
         hist = make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
     assert planner.replans == 1 and len(hist.history["loss"]) == 1
@@ -239,11 +244,11 @@ def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):
         return plan
 
     monkeypatch.setattr(planner_module.api, "plan", with_offload)
-    monkeypatch.setattr(install_module, "rewrite_model", lambda m, p: real_rewrite(
-        m, p, compute_device="/CPU:0", host_device="/CPU:1"))
+    monkeypatch.setattr(install_module, "rewrite_model", lambda m, p, **kw: real_rewrite(
+        m, p, compute_device="/CPU:0", host_device="/CPU:1", **kw))
     with pytest.warns(RuntimeWarning, match="XLA cannot"):
         model.fit(x, y, batch_size=BATCH, verbose=0,
-                  callbacks=[tfremat.Planner(budget_mb, verbose=0, replan=False)])
+                  callbacks=[tfremat.Planner(budget_mb, verbose=0, measure=False, replan=False)])
     assert model.jit_compile is True
 
 
@@ -306,7 +311,7 @@ def test_an_unwritable_picture_costs_a_warning_not_the_training(budget_mb, tmp_p
     path = tmp_path / "no-such-folder" / "plan.dot"
     with pytest.warns(RuntimeWarning, match="could not write the plan picture"):
         hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
-            tfremat.Planner(budget_mb, verbose=0, export=str(path))])
+            tfremat.Planner(budget_mb, verbose=0, measure=False, export=str(path))])
     assert len(hist.history["loss"]) == 2
 
 
@@ -338,8 +343,22 @@ def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(budget_mb, 
         return real_plan(model, budget, **kwargs)
 
     monkeypatch.setattr(planner_module.api, "plan", optimistic_then_real)
-    planner = tfremat.Planner(budget_mb, verbose=0)
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
     hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
                             callbacks=[planner])
     assert planner.replans >= 1
     assert hist.history["peak_memory_mb"][0] > budget_mb
+
+
+@pytest.mark.xfail(strict=True, reason="known: updates in the backward pass drift from plain "
+                   "training here (1.4e-5 after 8 steps); docs/updates-in-backward.md")
+def test_training_with_updates_in_backward_is_bit_identical_to_plain_training(budget_mb):
+    x, y = data()
+    plain = make_model()
+    plain.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    model = make_model()
+    planner = tfremat.Planner(budget_mb, verbose=0, replan=False, update_in_backward=True)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[planner])
+    assert planner.plan.update_in_backward
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -32,7 +32,8 @@ def fitted(tmp_path_factory):
     model = make_model()
     graph = tfremat.extract(model, batch_size=BATCH)
     budget = 0.8 * tfremat.simulate(graph).peak_mb
-    planner = tfremat.Planner(budget, verbose=0, plot=str(tmp / "memory.png"), replan=False)
+    planner = tfremat.Planner(budget, verbose=0, measure=False, plot=str(tmp / "memory.png"),
+                              replan=False)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
         planner, keras.callbacks.TensorBoard(str(tmp / "logs"))])
     return tmp, planner, history

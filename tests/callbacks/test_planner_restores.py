@@ -104,7 +104,7 @@ def test_an_error_between_steps(budget_mb, tmp_path):
     model = make_model()
     with pytest.raises(RuntimeError, match="boom"):
         model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[
-            tfremat.Planner(budget_mb, verbose=0), RaiseAt(1, RuntimeError("boom"))])
+            tfremat.Planner(budget_mb, verbose=0, measure=False), RaiseAt(1, RuntimeError("boom"))])
     assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
 
 
@@ -113,7 +113,7 @@ def test_ctrl_c_between_steps(budget_mb, tmp_path):
     model = make_model()
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[
-            tfremat.Planner(budget_mb, verbose=0), RaiseAt(1, KeyboardInterrupt())])
+            tfremat.Planner(budget_mb, verbose=0, measure=False), RaiseAt(1, KeyboardInterrupt())])
     assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
 
 
@@ -133,7 +133,7 @@ def test_ctrl_c_inside_a_step(budget_mb, tmp_path, monkeypatch):
     monkeypatch.setattr(PlanInstallation, "run", interrupted_second_step)
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False,
-                  callbacks=[tfremat.Planner(budget_mb, verbose=0)])
+                  callbacks=[tfremat.Planner(budget_mb, verbose=0, measure=False)])
     monkeypatch.setattr(PlanInstallation, "run", original_run)
     assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
 
@@ -143,8 +143,8 @@ def test_a_second_fit_with_a_new_planner_after_an_interrupted_one(budget_mb):
     model = make_model()
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
-            tfremat.Planner(budget_mb, verbose=0), RaiseAt(0, KeyboardInterrupt())])
-    planner = tfremat.Planner(budget_mb, verbose=0)
+            tfremat.Planner(budget_mb, verbose=0, measure=False), RaiseAt(0, KeyboardInterrupt())])
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
     hist = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[planner])
     assert not planner.plan.is_empty and len(hist.history["peak_memory_mb"]) == 2
 

@@ -281,12 +281,12 @@ def test_auto_plans_updates_in_backward_under_a_binding_budget():
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     graph = tfremat.extract(model, batch_size=8)
     plain = simulate(graph).peak_mb
-    roomy = tfremat.plan(model, plain * 1.1, graph=graph)
+    roomy = tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward="auto")
     assert roomy.is_empty and "not needed" in roomy.update_note
-    tight = tfremat.plan(model, plain * 0.95, graph=graph)
+    tight = tfremat.plan(model, plain * 0.95, graph=graph, update_in_backward="auto")
     assert tight.update_in_backward and tight.peak_bytes <= plain * 0.95 * 2**20
-    with pytest.raises(tfremat.BudgetError):  # the weight gradients are the floor
-        tfremat.plan(model, plain * 0.95, graph=graph, update_in_backward=False)
+    with pytest.raises(tfremat.BudgetError):  # the weight gradients are the floor (default)
+        tfremat.plan(model, plain * 0.95, graph=graph)
     lines = []
     tight.summary(print_fn=lines.append)
     assert "Updates:         in the backward pass" in lines[0]
@@ -312,7 +312,8 @@ def test_the_planner_callback_trains_with_updates_in_backward_as_plain():
         if callbacks is None:
             graph = tfremat.extract(model, batch_size=BATCH)
             budget = tfremat.simulate(graph).peak_mb * 0.95
-            planner = tfremat.Planner(budget, verbose=0, measure=False, replan=False)
+            planner = tfremat.Planner(budget, verbose=0, measure=False, replan=False,
+                                      update_in_backward="auto")
             callbacks = [planner]
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks)
@@ -322,13 +323,13 @@ def test_the_planner_callback_trains_with_updates_in_backward_as_plain():
     assert_same(results[0], results[1])
 
 
-def test_the_command_line_turns_it_off():
+def test_the_command_line_turns_it_on():
     from tfremat.cli import build_parser
 
     args = ["plan", "resnet50", "--budget-mb", "300"]
-    assert build_parser().parse_args(args).update_in_backward == "auto"
-    assert build_parser().parse_args(args + ["--no-update-in-backward"]
-                                     ).update_in_backward is False
+    assert build_parser().parse_args(args).update_in_backward is False
+    assert build_parser().parse_args(args + ["--update-in-backward"]
+                                     ).update_in_backward == "auto"
 
 
 def test_a_bad_setting_is_refused_at_the_door():

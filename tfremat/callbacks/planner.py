@@ -88,8 +88,8 @@ class Planner(keras.callbacks.Callback):
         max_trials: Most plans measured before training.
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward pass
-            (see `tfremat.plan`): True, False or `"auto"` (under a binding
-            budget, when the optimizer allows it). The plan summary says
+            (see `tfremat.plan`; experimental): False (the default), True or
+            `"auto"` (under a binding budget, when the optimizer allows it). The plan summary says
             whether it does, and why not.
 
     Attributes:
@@ -118,7 +118,7 @@ class Planner(keras.callbacks.Callback):
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
                  replan: bool = True, max_replans: int = 2, measure: bool = True,
                  max_trials: int = 3, strategy: str | None = None,
-                 update_in_backward: bool | str = "auto") -> None:
+                 update_in_backward: bool | str = False) -> None:
         super().__init__()
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Keras's fit fails before any callback runs (in its symbolic build),
