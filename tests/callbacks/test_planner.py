@@ -17,6 +17,7 @@ BATCH = 16
 # trial rewrites and traces another step. Measuring is tested by
 # test_trains_under_budget_with_the_same_losses and tests/test_measured_choice.py.
 
+
 def make_model(seed: int = 3, **compile_kwargs) -> keras.Model:
     keras.utils.set_random_seed(seed)
     model = resnet_style(image_size=48, width=16, blocks=(2, 2))
