@@ -142,12 +142,17 @@ def test_measuring_leaves_weights_optimizer_and_metrics_bit_identical():
     model.fit(*SAMPLE, epochs=1, verbose=0)  # optimizer slots and metrics non-zero
     budget = binding_budget_mb(model, SAMPLE)
     before = state(model)
-    plan = tfremat.plan(model, budget, sample=SAMPLE, measure=True)
+    try:
+        plan = tfremat.plan(model, budget, sample=SAMPLE, measure=True)
+        fits = True
+    except BudgetError as e:  # what earlier tests hold can tip it over: still restored
+        plan, fits = e.measured_plan, False
     after = state(model)
     assert len(before) == len(after)
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     details = plan.estimates.details
-    assert details["trials"] and details["measured_peak_bytes"] <= plan.budget_bytes
+    assert details["trials"]
+    assert (details["measured_peak_bytes"] <= plan.budget_bytes) == fits
 
 
 def test_the_planner_trains_with_a_measured_plan_exactly_as_plain():
@@ -155,7 +160,10 @@ def test_the_planner_trains_with_a_measured_plan_exactly_as_plain():
     x = np.random.default_rng(0).standard_normal((64, 32, 32, 3)).astype("float32")
     y = np.arange(64) % 10
     plain_model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
-    planner = tfremat.Planner(binding_budget_mb(planned_model, (x[:32], y[:32])), verbose=0)
+    # replan=False: the measured plan trains the whole fit (re-planning is tested
+    # in tests/callbacks/test_planner.py).
+    planner = tfremat.Planner(binding_budget_mb(planned_model, (x[:32], y[:32])), verbose=0,
+                              replan=False)
     planned_model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False,
                       callbacks=[planner])
     assert planner.plan.estimates.details.get("trials"), planner.plan.estimates

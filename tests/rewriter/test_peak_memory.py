@@ -24,7 +24,8 @@ def _peaks(model: keras.Model, x, y, jit_compile: bool) -> tuple[int, int]:
             h.compiled_peak_bytes(rewritten, x, y, jit_compile, compilations))
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("jit_compile", [
+    False, pytest.param(True, marks=pytest.mark.slow)])  # XLA: 32 s
 def test_deep_mlp_peak_drops(jit_compile):
     keras.utils.set_random_seed(11)
     model = h.deep_mlp(depth=24, width=1024)
