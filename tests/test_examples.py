@@ -32,14 +32,7 @@ def test_every_example_is_listed():
     assert set(EXAMPLES) == set(EXPECTED)
 
 
-#: Examples run by the default selection; the others are marked slow (each
-#: trains in its own process for 20-70 s on 2 cores).
-FAST_EXAMPLES = {"host_offload.py", "inspect_a_plan.py", "rewrite_and_save.py"}
-
-
-@pytest.mark.parametrize("name", [
-    name if name in FAST_EXAMPLES else pytest.param(name, marks=pytest.mark.slow)
-    for name in EXAMPLES])
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs_with_smoke(name, tmp_path):
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.path.dirname(sys.executable)}",
            "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}  # no `dot` on PATH

@@ -42,7 +42,7 @@ def test_measuring_does_not_change_weights_or_optimizer_state():
 def test_larger_batch_measures_larger_peak():
     model = make_model()
     small = tfremat.measure_peak(model, batch_size=4)
-    large = tfremat.measure_peak(model, batch_size=32)
+    large = tfremat.measure_peak(model, batch_size=256)  # activations above any kernel scratch
     assert large > small
 
 

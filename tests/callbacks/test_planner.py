@@ -153,7 +153,7 @@ def test_missing_graphviz_costs_a_warning_not_the_training(budget_mb, tmp_path,
 
 @pytest.mark.parametrize("options", [
     {"jit_compile": True},
-    pytest.param({"steps_per_execution": 2}, marks=pytest.mark.slow),
+    {"steps_per_execution": 2},
 ])
 def test_compile_options(budget_mb, options):
     x, y = data()

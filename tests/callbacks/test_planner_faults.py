@@ -25,9 +25,6 @@ import pytest
 
 from tests.callbacks.backup_worker import EPOCHS, SAVE_FREQ, STEPS
 
-# Four training processes (killed and restarted, with and without the Planner).
-pytestmark = pytest.mark.slow
-
 ROOT = pathlib.Path(__file__).parent.parent.parent
 KILL_AT = STEPS + 3  # epoch 2, batch 3: one backup (step 8) in that epoch
 

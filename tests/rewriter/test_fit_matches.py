@@ -19,8 +19,7 @@ def _fit(model: keras.Model, x, y, jit_compile: bool) -> list[float]:
 
 @pytest.mark.parametrize("build, jit_compile", [
     (h.residual_cnn, False), (h.residual_cnn, True),
-    (h.transformer_block, False),
-    pytest.param(h.transformer_block, True, marks=pytest.mark.slow),
+    (h.transformer_block, False), (h.transformer_block, True),
     (h.rnn_stack, False),
 ])
 def test_fit_gives_the_same_losses(build, jit_compile):
