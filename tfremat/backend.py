@@ -51,7 +51,7 @@ def device_name() -> str:
 NO_STATS_HINT = (
     "On CPU, TensorFlow keeps them only with oneDNN on (its default on some Intel "
     "CPUs only) or with TensorFlow's BFC allocator: set TF_CPU_ALLOCATOR_USE_BFC=1 "
-    "before TensorFlow starts (the tfremat command does).")
+    "before TensorFlow runs its first operation (importing tfremat first does).")
 
 
 def memory_stats_available(device: str) -> bool:
