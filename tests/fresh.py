@@ -10,9 +10,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_fresh(script: str, timeout: float = 600) -> dict:
-    """Runs `script` (which prints one JSON object last) and returns that object."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
+def run_fresh(script: str, timeout: float = 600, **env_vars: str) -> dict:
+    """Runs `script` (which prints one JSON object last), with `env_vars` set in
+    its environment, and returns that object."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT), **env_vars}
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]

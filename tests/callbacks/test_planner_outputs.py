@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tfremat
 from tests.callbacks.test_planner import BATCH, data, make_model
+from tests.fresh import run_fresh
 from tests.test_plots import PNG_MAGIC
 
 pytest.importorskip("tensorboard", reason="keras.callbacks.TensorBoard needs the "
@@ -92,18 +93,8 @@ print(json.dumps({"logs": sorted(history.history), "segments": len(planner.plan.
 
 
 def test_without_allocator_statistics_it_trains_with_the_predicted_plan_and_says_so():
-    import json
-    import os
-    import subprocess
-    import sys
-
     # TensorFlow's default CPU allocator without oneDNN keeps no statistics.
-    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "0",
-           "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run([sys.executable, "-c", NO_STATS_FIT], env=env, text=True,
-                          capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_fresh(NO_STATS_FIT, TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="0")
     assert result["segments"] > 0
     assert "predicted_peak_mb" in result["logs"] and "peak_memory_mb" not in result["logs"]
     assert result["peaks"] == []

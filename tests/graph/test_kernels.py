@@ -1,12 +1,6 @@
 """Kernel scratch (graph/kernels.py): measured per op, counted in the workspaces,
 and bringing the prediction closer to the measured peak."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -14,10 +8,12 @@ import tensorflow as tf
 from tfremat.graph import extract, trace
 from tfremat.graph.kernels import measure_kernel_workspaces
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.fresh import run_fresh
 
-# Runs with TensorFlow's own CPU kernels and BFC allocator, whose statistics see
-# every allocation (oneDNN's convolutions allocate outside them).
+# TensorFlow's own CPU kernels and BFC allocator, whose statistics see every
+# allocation (oneDNN's convolutions allocate outside them).
+EIGEN_BFC = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "1"}
+
 _EIGEN_CNN = r"""
 import json, os
 import keras, numpy as np, tensorflow as tf
@@ -54,12 +50,7 @@ print(json.dumps({
 
 
 def test_eigen_convolution_scratch_is_measured_and_narrows_the_gap():
-    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "1",
-           "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", _EIGEN_CNN], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    facts = run_fresh(_EIGEN_CNN, **EIGEN_BFC)
     # A 3x3 filter gradient over a 9 MiB activation takes scratch of several
     # times the activation with Eigen's kernels (27.8 MiB measured).
     activation = 32 * 48 * 48 * 32 * 4
@@ -146,12 +137,7 @@ print(json.dumps({"together": simulate(together).peak_bytes, "apart": simulate(a
 
 
 def test_scratch_of_sibling_kernels_adds_up_where_cpu_runs_them_side_by_side():
-    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "1",
-           "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", _SIBLINGS], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    facts = run_fresh(_SIBLINGS, **EIGEN_BFC)
     assert facts["concurrent"] is True
     low, high = min(facts["measured"]), max(facts["measured"])
     # Counted one kernel at a time, the prediction misses a whole 32 MiB scratch.
