@@ -8,12 +8,12 @@ from typing import Any
 import keras
 from keras import tree
 
-from tfremat.rewriter.backward_updates import BackwardUpdates
 from tfremat.rewriter.exact_recompute import call_functional, keep
+from tfremat.rewriter.submodel_layer import SubmodelLayer
 
 
 @keras.saving.register_keras_serializable(package="tfremat")
-class UpdateUnit(keras.layers.Layer):
+class UpdateUnit(SubmodelLayer):
     """Runs a functional sub-model (one layer call) as one unit of the backward
     pass, in which the optimizer updates the unit's own weights.
 
@@ -42,16 +42,6 @@ class UpdateUnit(keras.layers.Layer):
     ```
     """
 
-    def __init__(self, submodel: keras.Model, updates: BackwardUpdates | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.submodel = submodel
-        self.updates = updates
-        # The sub-model's layers cast their own inputs; keep dtypes as given.
-        self._convert_input_args = False
-        self.supports_masking = True
-        self.built = True
-
     def call(self, inputs: list[Any], training: bool | None = None) -> list[Any]:
         if self.updates is None:
             return tree.flatten(call_functional(self.submodel, list(inputs), training))
@@ -61,21 +51,3 @@ class UpdateUnit(keras.layers.Layer):
 
         outputs = keep(run, list(inputs), [self.submodel], self.updates.after_grads)
         return tree.flatten(outputs)
-
-    def compute_mask(self, inputs: list[Any], previous_mask: Any = None) -> None:
-        # `call` attaches the masks of the forward pass to the outputs.
-        return None
-
-    def compute_output_spec(self, inputs: list[Any],
-                            training: bool | None = None) -> list[Any]:
-        return tree.flatten(self.submodel.compute_output_spec(list(inputs)))
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(),
-                "submodel": keras.saving.serialize_keras_object(self.submodel)}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "UpdateUnit":
-        config = dict(config)
-        submodel = keras.saving.deserialize_keras_object(config.pop("submodel"))
-        return cls(submodel, **config)
