@@ -169,3 +169,28 @@ def test_the_planner_trains_with_a_measured_plan_exactly_as_plain():
     assert planner.plan.estimates.details.get("trials"), planner.plan.estimates
     for a, b in zip(plain_model.variables, planned_model.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_measurement_that_fails_costs_a_warning_not_the_training(monkeypatch):
+    """A trial step that runs out of memory (or cannot run on the measurement's
+    data) must not end the fit: it is planned by the prediction instead."""
+    import tensorflow as tf
+
+    from tfremat.rewriter import PlanInstallation
+
+    def out_of_memory(self, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    monkeypatch.setattr(PlanInstallation, "measure_peak", out_of_memory)
+    model = cnn()
+    x = np.random.default_rng(0).standard_normal((64, 32, 32, 3)).astype("float32")
+    y = np.arange(64) % 10
+    graph = tfremat.extract(model, sample=(x[:32], y[:32]))
+    with pytest.raises(BudgetError) as err:
+        tfremat.plan(model, 1.0, graph=graph)
+    budget = (err.value.min_budget_mb + tfremat.simulate(graph).peak_mb) / 2
+    planner = tfremat.Planner(budget, verbose=0, replan=False)
+    with pytest.warns(RuntimeWarning, match="could not measure the candidate plans.*OOM"):
+        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[planner])
+    assert planner.plan.segments and "trials" not in planner.plan.estimates.details
+    assert np.isfinite(history.history["loss"][0])

@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras.src.utils import io_utils  # print_msg: Keras has no public equivalent
 
 from tfremat import api
-from tfremat.core import MIB, BudgetError, Plan, PlanGraph
+from tfremat.core import MIB, BudgetError, Plan, PlanGraph, UnsupportedModelError
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available
@@ -335,12 +335,24 @@ class Planner(keras.callbacks.Callback):
         of the first batch) is given and the callback measures."""
         measure = (self.measure and self._stats and sample is not None
                    and self.model.distribute_strategy.num_replicas_in_sync == 1)
-        try:
+
+        def plan(measure: bool) -> Plan:
             return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
                             objective=objective or self.objective, offload=self.offload,
                             verbose=self.verbose, sample=sample if measure else None,
                             measure=measure, max_trials=self.max_trials,
                             update_in_backward=self.update_in_backward)
+
+        try:
+            return plan(measure)
+        except (tf.errors.OpError, UnsupportedModelError) as e:
+            if not measure:
+                raise
+            # A measurement must never cost the training run (its random data
+            # may not suit the model, a trial may run out of memory).
+            warnings.warn(f"tfremat: could not measure the candidate plans ({e}); this "
+                          "fit plans by the prediction alone.", RuntimeWarning, stacklevel=2)
+            return plan(False)
         except BudgetError as e:
             if e.measured_plan is None:
                 raise
