@@ -123,6 +123,7 @@ def test_too_optimistic_first_plan_is_replanned(budget_mb, monkeypatch):
                             callbacks=[planner])
     assert planner.replans == 1
     assert calls[1] < budget_mb  # the measured excess was taken off the budget
+    assert planner.plan.estimates.details["trials"]  # the re-plan was measured first
     assert hist.history["peak_memory_mb"][-1] <= budget_mb
 
 

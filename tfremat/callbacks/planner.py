@@ -39,7 +39,8 @@ class Planner(keras.callbacks.Callback):
     `GPU:0` when a GPU exists, else `CPU:0`) and `predicted_peak_mb` to `logs`, so
     History, CSVLogger and TensorBoard record them. If the measured peak of the
     first steps exceeds the budget, it plans again with the measured excess taken
-    off the budget (at most `max_replans` times) and warns if the budget still
+    off the budget, measures that plan (and lower ones) the same way before it
+    trains with it (at most `max_replans` times), and warns if the budget still
     cannot be met; it never exceeds the budget silently. Where TensorFlow keeps
     no allocator statistics (a CPU without oneDNN, TensorFlow started before
     `tfremat` was imported), it warns, trains with the predicted plan and logs
@@ -167,6 +168,7 @@ class Planner(keras.callbacks.Callback):
         self._warming_up = False  # the step just run is the first of a new plan
         self._epoch = 0
         self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
+        self._sample: Any = None  # zeros shaped like the first batch, for measuring
         self._summary_writer: Any = None  # a TensorBoard callback's train run
 
     # -- wiring fit's events ---------------------------------------------------
@@ -313,7 +315,7 @@ class Planner(keras.callbacks.Callback):
                 break
             batches.append(nxt.get_value())
         batches = [self._global_batch(b) for b in batches]
-        sample = self._zeros_like_replica_batch(batches[0])
+        sample = self._sample = self._zeros_like_replica_batch(batches[0])
         if not model.built:
             # Without a distribution strategy, Keras's TensorFlow trainer builds an
             # unbuilt model while tracing the first step; planning needs it built
@@ -488,7 +490,7 @@ class Planner(keras.callbacks.Callback):
             io_utils.print_msg(f"tfremat: measured {peak_mb:.1f} MiB > budget "
                                f"{self.budget_mb:.1f} MiB: re-planning for {target:.1f} MiB.")
         try:
-            plan = self._plan(target)
+            plan = self._plan(target, sample=self._sample)
         except BudgetError as e:
             # Best effort: the plan with the lowest predicted peak.
             plan = self._plan(e.min_budget_mb, objective="memory")
