@@ -6,7 +6,9 @@ dependency: the recompute may then run as soon as its inputs exist, often in
 the forward pass, and the memory saving is lost (measured: a U-Net segment peaked
 at 484 MiB against 371 MiB with Grappler off). Here the dependency is
 `x + min(|g|, 0)`: 0 for every finite gradient, NaN for NaN, and nothing an
-optimizer may fold. It reads every output's gradient: `tf.recompute_grad` waits
+optimizer may fold. Integer inputs (token ids) get the NaN as 0: cast to an
+integer it would be an index of about -2**31, and the recompute's gather would
+fail where the step without recompute goes on with NaN gradients. It reads every output's gradient: `tf.recompute_grad` waits
 for the first only, so a segment whose other output feeds a skip connection
 recomputed as soon as that early gradient arrived.
 """
@@ -51,7 +53,9 @@ def recompute_grad(f: Callable[..., Any],
             firsts = [tf.cast(tf.reshape(g, [-1])[:1], tf.float32) for g in dresult
                       if g is not None]
             dep = tf.minimum(tf.abs(tf.reduce_max(tf.concat(firsts, 0))), 0.0)
-            recompute_args = [x + tf.cast(dep, x.dtype) for x in args]
+            finite_dep = tf.where(tf.math.is_nan(dep), 0.0, dep)
+            recompute_args = [x + tf.cast(dep if x.dtype.is_floating else finite_dep, x.dtype)
+                              for x in args]
             variables = list(variables or [])
             with tf.GradientTape() as tape:
                 tape.watch(recompute_args)
