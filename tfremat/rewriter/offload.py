@@ -200,7 +200,8 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
     it. The re-run sees the state variables of the forward pass (BatchNorm
     statistics, dropout seeds) and assigns none of them, as in
     `tfremat.rewriter.exact_recompute.recompute`, which also says how Keras
-    masks and the losses the layers add cross the unit.
+    masks, the losses the layers add and the logits cached on a softmax or
+    sigmoid output cross the unit.
 
     Args:
         fn: A function of positional tensors only (bind `training` in a
