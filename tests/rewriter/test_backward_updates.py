@@ -163,6 +163,48 @@ def test_own_weights_are_updated_inside_the_backward_pass():
     assert moved == {id(v) for v in model.trainable_variables if v is not shared}
 
 
+
+def classifier(activation: str) -> keras.Model:
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(5, activation=activation, name="head")(hidden)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("segments", [[], [["hidden", "head"]]], ids=["units", "segment"])
+@pytest.mark.parametrize("activation, loss", [("softmax", "categorical_crossentropy"),
+                                              ("sigmoid", "binary_crossentropy")])
+def test_a_classifier_head_trains_bit_identically(activation, loss, segments):
+    """The crossentropy of a softmax or sigmoid output is computed from the
+    logits Keras caches on it; the unit (or segment) making the output hands
+    them on, so the loss, its gradient and the updates are plain training's to
+    the bit (with the probabilities instead, weights drifted by ~1e-8 after one
+    step and 1.4e-5 after eight on a residual CNN)."""
+    keras.utils.set_random_seed(0)
+    model = classifier(activation)
+    start = snapshot(model)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3 * BATCH, 8)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 5, 3 * BATCH), 5)
+    plan = plan_for(model, segments)
+    plan.update_in_backward = True
+    results = []
+    for installed in (None, plan):
+        restore(model, start)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        model.optimizer.build(model.trainable_variables)
+        if installed is None:
+            hist = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        else:
+            with PlanInstallation(model, installed):
+                hist = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        results.append((hist.history["loss"], snapshot(model)))
+    (loss_a, weights_a), (loss_b, weights_b) = results
+    assert loss_a == loss_b
+    for a, b in zip(weights_a, weights_b):
+        np.testing.assert_array_equal(a, b)
+
+
 class Subclassed(keras.Model):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -345,3 +345,68 @@ def test_a_recompute_adding_other_losses_names_the_layer():
         loss = tf.reduce_sum(out) + tf.add_n(rewritten.losses)
     with pytest.raises(UnsupportedModelError, match=r"\['fickle'\].*1 loss\(es\).*but 0"):
         tape.gradient(loss, rewritten.trainable_variables)
+
+
+# -- logits cached on a softmax or sigmoid output ------------------------------
+
+
+def saturated_classifier(activation: str) -> keras.Model:
+    """A classifier whose head saturates: some probabilities are below
+    `keras.config.epsilon()`, where a loss computed from clipped probabilities
+    has no gradient and one computed from the logits has."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(3, activation=activation, name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    head = model.get_layer("head")
+    head.kernel.assign(head.kernel * 200.0)
+    return model
+
+
+def crossentropy_grads(model: keras.Model, x, y, activation: str, mode: str):
+    """Loss and gradients of Keras's crossentropy on the model's output."""
+    loss_fn = (keras.losses.categorical_crossentropy if activation == "softmax"
+               else keras.losses.binary_crossentropy)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(loss_fn(y, model(x, training=True)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    if mode == "function":
+        step = tf.function(step)
+    loss, grads = step(x, y)
+    return float(loss), [np.array(g) for g in grads]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("unit", ["segment", "offload"])
+@pytest.mark.parametrize("activation", ["softmax", "sigmoid"])
+def test_a_units_softmax_or_sigmoid_output_keeps_its_logits_for_the_loss(
+        activation, unit, mode):
+    """Keras's crossentropies compute the loss of a softmax or sigmoid output
+    from the logits cached on it (`_keras_logits`). A unit's output carries
+    the unit's logits, so the loss and its gradient are those of the original:
+    without them the loss is computed from clipped probabilities, with no
+    gradient where the model is confidently wrong (and other rounding
+    elsewhere, which made updates in the backward pass drift from plain
+    training)."""
+    keras.utils.set_random_seed(25)
+    model = saturated_classifier(activation)
+    x = np.random.default_rng(5).standard_normal((8, 4)).astype("float32")
+    probabilities = np.array(model(x))
+    # The target is the least likely class: the model is confidently wrong.
+    y = (probabilities == probabilities.min(axis=1, keepdims=True)).astype("float32")
+    assert (probabilities < keras.config.epsilon()).any(), "the head saturates"
+    if unit == "segment":
+        rewritten = rewrite_model(model, h.plan_for(model, [["head"]]))
+        assert any(isinstance(layer, RecomputeSegment) for layer in rewritten.layers)
+    else:
+        plan = h.plan_for(model, [])
+        plan.offloaded = [Offload("hidden:0")]
+        rewritten = rewrite_model(model, plan, **DEVICES)
+        assert any(isinstance(layer, OffloadUnit) for layer in rewritten.layers)
+    loss_a, grads_a = crossentropy_grads(model, x, y, activation, mode)
+    loss_b, grads_b = crossentropy_grads(rewritten, x, y, activation, mode)
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
+    assert h.rel_error(grads_a, grads_b) <= h.REL_TOL

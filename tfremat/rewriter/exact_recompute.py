@@ -22,6 +22,13 @@ Keras masks and activation losses cross the unit as well:
   that added it keeps it, the loss the forward pass added, so `model.losses`
   lists it once, attributed to that layer. The recompute adds its
   copies inside its own `StatelessScope`, which discards them.
+- The logits Keras caches on a softmax or sigmoid output (`_keras_logits`,
+  which `categorical_crossentropy` and `binary_crossentropy` read to compute
+  the loss from the logits) are extra outputs of the unit too, cached on its
+  outputs as the forward pass cached them inside (`carry_logits`). Without
+  them the loss of a unit's softmax output would be computed from the
+  clipped probabilities: other rounding, and no gradient where a
+  probability is below `keras.config.epsilon()`.
 """
 
 from __future__ import annotations
@@ -185,12 +192,56 @@ def check_same_losses(forward: Sequence[tuple[Any, Any]],
             "the forward pass. Keep these layers outside recompute segments.")
 
 
+def logits_positions(outputs: Sequence[Any]) -> list[int]:
+    """Positions of the tensors in `outputs` carrying cached logits.
+
+    Keras's softmax and sigmoid cache their input on their output
+    (`_keras_logits`); Keras's crossentropies compute the loss from it.
+
+    Args:
+        outputs: A unit's flat outputs.
+
+    Returns:
+        The positions whose tensor carries logits.
+    """
+    return [k for k, t in enumerate(outputs) if getattr(t, "_keras_logits", None) is not None]
+
+
+def logits_at(outputs: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    """The cached logits of `outputs` at `positions` (see `logits_positions`).
+
+    Raises:
+        UnsupportedModelError: a recompute's output lacks the logits its
+            forward pass cached.
+    """
+    found = [getattr(outputs[k], "_keras_logits", None) for k in positions]
+    if any(t is None for t in found):
+        raise UnsupportedModelError(
+            "A recompute produced a softmax or sigmoid output without the logits its "
+            "forward pass cached (`_keras_logits`); a recompute must compute what the "
+            "forward pass computed.")
+    return found
+
+
+def carry_logits(outputs: Sequence[Any], positions: Sequence[int],
+                 logits: Sequence[Any]) -> None:
+    """Caches `logits` on `outputs` at `positions`, as Keras's softmax and
+    sigmoid cache theirs, so that a loss on a unit's output reads the unit's
+    logits output (and its gradient flows through the unit)."""
+    for k, t in zip(positions, logits):
+        try:
+            outputs[k]._keras_logits = t
+        except AttributeError:  # a C-type tensor, as Keras's own softmax allows
+            pass
+
+
 @dataclasses.dataclass
 class _Forward:
     """What the forward pass of a recompute unit made."""
 
     outputs: Any = None
     losses: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    logits: list[int] = dataclasses.field(default_factory=list)
 
 
 def recompute(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
@@ -269,20 +320,27 @@ def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
             with AddedLosses(layers) as added:
                 forward.outputs = fn(*args)
             forward.losses = added.losses
-            return [*tree.flatten(forward.outputs), *(loss for _, loss in added.losses)]
+            flat = tree.flatten(forward.outputs)
+            forward.logits = logits_positions(flat)
+            return [*flat, *(loss for _, loss in added.losses),
+                    *logits_at(flat, forward.logits)]
         with keras.StatelessScope(state_mapping=state_mapping,
                                   collect_losses=collect), inner_call_context():
             with AddedLosses(layers) as added:
                 outputs = fn(*args)
         check_same_losses(forward.losses, added.losses)
-        return [*tree.flatten(outputs), *(loss for _, loss in added.losses)]
+        flat = tree.flatten(outputs)
+        return [*flat, *(loss for _, loss in added.losses), *logits_at(flat, forward.logits)]
 
     positional = [values[i] for i in differentiable]
     # recompute_grad needs one argument at least: weights' gradients still
     # flow when every input is an integer (e.g. token ids into an Embedding).
     results = list(gradient(body)(*(positional or [tf.zeros(())])))
     inner = tree.flatten(forward.outputs)
-    outputs, losses = results[:len(inner)], results[len(inner):]
+    n_outputs, n_losses = len(inner), len(forward.losses)
+    outputs = results[:n_outputs]
+    losses = results[n_outputs:n_outputs + n_losses]
+    carry_logits(outputs, forward.logits, results[n_outputs + n_losses:])
     for (layer, old), new in zip(forward.losses, losses):
         replace_loss(layer, old, new)
     for made, out in zip(inner, outputs):

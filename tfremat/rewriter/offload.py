@@ -34,8 +34,9 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
 
-from tfremat.rewriter.exact_recompute import (AddedLosses, check_same_losses, collects_losses,
-                                              inner_call_context, replace_loss,
+from tfremat.rewriter.exact_recompute import (AddedLosses, carry_logits, check_same_losses,
+                                              collects_losses, inner_call_context,
+                                              logits_at, logits_positions, replace_loss,
                                               state_variables, with_masks)
 
 KEEP_ATTR = "_grappler_do_not_remove"
@@ -199,7 +200,8 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
     it. The re-run sees the state variables of the forward pass (BatchNorm
     statistics, dropout seeds) and assigns none of them, as in
     `tfremat.rewriter.exact_recompute.recompute`, which also says how Keras
-    masks and the losses the layers add cross the unit.
+    masks, the losses the layers add and the logits cached on a softmax or
+    sigmoid output cross the unit.
 
     Args:
         fn: A function of positional tensors only (bind `training` in a
@@ -234,6 +236,7 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
     structure: list[Any] = []
     masks: list[Any] = []
     losses: list[tuple[Any, Any]] = []
+    logits: list[int] = []
 
     def run(args: list[Any]) -> list[Any]:
         outputs = fn(*with_masks(args, input_masks))
@@ -249,6 +252,7 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
             outputs = run(args)
         losses[:] = added.losses
         masks[:] = [get_keras_mask(t) for t in outputs]
+        logits[:] = logits_positions(outputs)
 
         def grad(*dys: tf.Tensor, variables: Sequence[Any] = ()) -> Any:
             replay = list(args)
@@ -263,7 +267,7 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
                     with AddedLosses(layers) as added_again:
                         again = run(replay)
                 check_same_losses(losses, added_again.losses)
-                again += [loss for _, loss in added_again.losses]
+                again += [loss for _, loss in added_again.losses] + logits_at(again, logits)
                 grads = tape.gradient(
                     again, watched + list(variables),
                     output_gradients=[tf.zeros_like(o) if dy is None else dy
@@ -273,11 +277,14 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
             input_grads = grads[:len(watched)] or [tf.zeros(())]
             return input_grads, grads[len(watched):]
 
-        return [tf.identity(t) for t in [*outputs, *(loss for _, loss in losses)]], grad
+        return [tf.identity(t) for t in [*outputs, *(loss for _, loss in losses),
+                                         *logits_at(outputs, logits)]], grad
 
     # tf.custom_gradient needs one argument at least (all inputs integer).
     flat = list(unit(*([values[i] for i in differentiable] or [tf.zeros(())])))
-    outputs, added_losses = flat[:len(masks)], flat[len(masks):]
+    outputs = flat[:len(masks)]
+    added_losses = flat[len(masks):len(masks) + len(losses)]
+    carry_logits(outputs, logits, flat[len(masks) + len(losses):])
     for (layer, old), new in zip(losses, added_losses):
         replace_loss(layer, old, new)
     for t, mask in zip(outputs, masks):
