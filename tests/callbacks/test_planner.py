@@ -49,6 +49,13 @@ def predicted_range_mb() -> tuple[float, float]:
     return err.value.min_budget_mb, tfremat.simulate(graph).peak_mb
 
 
+def light_budget_mb() -> float:
+    """A budget just under the plain step's predicted peak: its plan recomputes
+    little, and is not the plan of lowest peak."""
+    lowest, plain_predicted = predicted_range_mb()
+    return plain_predicted - 0.1 * (plain_predicted - lowest)
+
+
 @pytest.fixture(scope="module")
 def budget_mb():
     """A binding budget, measured and predicted: midway between the lowest
@@ -220,16 +227,41 @@ def test_planning_inside_a_mirrored_scope_says_to_plan_outside_it():
     assert plan.graph.metadata["batch_shape"] == [[BATCH // 2, 48, 48, 3]]
 
 
-def test_an_excess_above_the_whole_budget_ends_in_the_best_effort_plan(budget_mb,
-                                                                       monkeypatch):
+def test_an_excess_above_the_whole_budget_ends_in_the_best_effort_plan(monkeypatch):
     """A measured excess larger than the budget leaves no budget to re-plan for:
     the callback warns and trains with its lowest-peak plan instead of failing."""
     x, y = data(2)
-    monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 3 * budget_mb)
-    planner = tfremat.Planner(budget_mb, verbose=0, measure=False, max_replans=1)
+    light = light_budget_mb()
+    monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 3 * light)
+    planner = tfremat.Planner(light, verbose=0, measure=False, max_replans=1)
     with pytest.warns(RuntimeWarning, match="lowest reachable prediction"):
         hist = make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
     assert planner.replans == 1 and len(hist.history["loss"]) == 1
+
+
+def test_re_planning_stops_at_the_lowest_plan_the_planner_reaches(monkeypatch):
+    """The best-effort plan is made at the minimum the planner itself stated (on
+    the U-Net of examples/unet_segmentation.py the memory objective's minimum
+    lay above the time objective's, and asking it for the latter raised out of
+    fit); once the plan in use is that lowest plan, re-planning stops instead
+    of installing it again."""
+    x, y = data(4)
+    real_plan = planner_module.api.plan
+
+    def memory_objective_misses(model, budget, **kwargs):
+        if kwargs.get("objective") == "memory":
+            raise tfremat.BudgetError(int(budget * 2**20), int(budget * 2**20) + 1,
+                                      "approx-dp", "out of the memory objective's reach")
+        return real_plan(model, budget, **kwargs)
+
+    monkeypatch.setattr(planner_module.api, "plan", memory_objective_misses)
+    light = light_budget_mb()
+    monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 3 * light)
+    planner = tfremat.Planner(light, verbose=0, measure=False, max_replans=3)
+    with pytest.warns(RuntimeWarning, match="already the lowest"):
+        hist = make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    assert len(hist.history["loss"]) == 1
+    assert planner.replans == 1  # the lowest plan, installed once
 
 
 def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):

@@ -331,8 +331,7 @@ class Planner(keras.callbacks.Callback):
         self._install(plan)
         return self._iterator_of(batches, static)
 
-    def _plan(self, budget_mb: float, objective: str | None = None,
-              sample: Any = None) -> Plan:
+    def _plan(self, budget_mb: float, sample: Any = None) -> Plan:
         """A plan for `budget_mb`; measured, then chosen, when `sample` (zeros
         of the first batch) is given and the callback measures."""
         measure = (self.measure and self._stats and sample is not None
@@ -340,7 +339,7 @@ class Planner(keras.callbacks.Callback):
 
         def plan(measure: bool) -> Plan:
             return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
-                            objective=objective or self.objective, offload=self.offload,
+                            objective=self.objective, offload=self.offload,
                             verbose=self.verbose, sample=sample if measure else None,
                             measure=measure, max_trials=self.max_trials,
                             update_in_backward=self.update_in_backward)
@@ -480,7 +479,6 @@ class Planner(keras.callbacks.Callback):
                 f"budget of {self.budget_mb:.1f} MiB after {self.replans} re-plan(s). "
                 "Lower the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
             return
-        self.replans += 1
         excess = peak_mb - self.predicted_peak_mb
         # An excess above the budget itself leaves no budget to plan for: ask for
         # 1% of it, which ends in the best-effort plan below.
@@ -492,8 +490,9 @@ class Planner(keras.callbacks.Callback):
         try:
             plan = self._plan(target, sample=self._sample)
         except BudgetError as e:
-            # Best effort: the plan with the lowest predicted peak.
-            plan = self._plan(e.min_budget_mb, objective="memory")
+            # Best effort: the lowest plan, at the minimum the planner itself stated
+            # (another objective's minimum may be out of its reach).
+            plan = self._plan(e.min_budget_mb)
             warnings.warn(
                 f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
                 f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "
@@ -501,7 +500,23 @@ class Planner(keras.callbacks.Callback):
                 f"{e.min_budget_mb:.1f} MiB: re-planned with that; the budget may still be "
                 "exceeded. Lower the batch size or raise the budget.",
                 RuntimeWarning, stacklevel=2)
+        if _same_rewrite(plan, self.plan):
+            self._measuring = False
+            warnings.warn(
+                f"tfremat: the measured peak {peak_mb:.1f} MiB on {self.device} exceeds the "
+                f"budget of {self.budget_mb:.1f} MiB, and the plan in use is already the "
+                "lowest the planner reaches: training goes on with it. Lower the batch "
+                "size or raise the budget.", RuntimeWarning, stacklevel=2)
+            return
+        self.replans += 1
         self._install(plan)
+
+
+def _same_rewrite(a: Plan, b: Plan | None) -> bool:
+    """Whether two plans rewrite the step alike (the same segments, offloads and
+    placement of the updates), whatever their budgets and estimates."""
+    return b is not None and (a.segments, a.offloaded, a.update_in_backward) == (
+        b.segments, b.offloaded, b.update_in_backward)
 
 
 def _static_batch(iterator: Any) -> bool:
