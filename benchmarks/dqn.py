@@ -29,6 +29,11 @@ allocator peak first (median of 3 steps, nothing else traced yet), then the
 step time against the plain step's, alternately in the same process.
 
     python benchmarks/dqn.py --measure --repeats 2
+    python benchmarks/dqn.py --measure --models ResNet50 --plans-cache /tmp/plans
+
+`--models` measures some models and keeps the others' measured rows;
+`--plans-cache` keeps each model's plans (fine-tuning the agent on ResNet50
+takes minutes per budget).
 """
 
 from __future__ import annotations
@@ -605,14 +610,16 @@ def measured_report(measured: dict[str, Any]) -> str:
         "auto = `make_plan(..., "
         "offload=False)`; chen-sqrt = sqrt(n) segments (one plan, the same at every "
         "budget). Budgets remove 1.25x, 1.5x and 2x of the SIMULATED activation memory. "
-        f"Each distinct plan ran in {measured['repeats']} fresh subprocesses: the "
+        f"Each distinct plan ran in {measured['repeats']} fresh subprocess(es): the "
         "rewritten step's allocator peak (`get_memory_info(\"CPU:0\")[\"peak\"]` after "
         "`reset_memory_stats`, median of 3 steps after a warm-up, weights, optimizer "
         "state and batch included) before anything else was traced in the process; then "
         f"its step time over the plain step's, median of {measured['steps']} steps run "
         "alternately in that process. Each cell: predicted / measured peak (min–max over "
         "the subprocesses), measured step-time ratio to the plain step (min–max), the "
-        "simulator's overhead, segments.",
+        "simulator's overhead, segments; \"(over)\": measured above the budget. Step-time "
+        "ratios from a few steps on a machine running other jobs are noisy (plans the "
+        "simulator puts at +30% measured below 1.0x): the peaks are the point here.",
         "",
     ]
     for m in measured["models"]:
@@ -624,8 +631,9 @@ def measured_report(measured: dict[str, Any]) -> str:
                   f"{m['nodes']} layer calls. Plain step: predicted "
                   f"{m['peak'] / MIB:.0f} MiB ({m['persistent'] / MIB:.0f} persistent + "
                   f"{m['activations'] / MIB:.0f} activations), measured "
-                  f"{plain['median'] / MIB:.0f} MiB ({min(peaks) / MIB:.0f}–"
-                  f"{max(peaks) / MIB:.0f}).", "",
+                  f"{plain['median'] / MIB:.0f} MiB" + (
+                      f" ({min(peaks) / MIB:.0f}–{max(peaks) / MIB:.0f})"
+                      if len(peaks) > 1 else "") + ".", "",
                   "| target | budget MiB | " + " | ".join(MEASURED_ROWS) + " |",
                   "|---:|---:|" + "---|" * len(MEASURED_ROWS)]
         for r in measured["reductions"]:
