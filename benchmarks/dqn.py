@@ -536,6 +536,7 @@ def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
                 with open(cached, "w") as f:
                     json.dump(record, f)
         record["command"] = data["measured"]["command"]
+        record["steps"] = args.steps
         variants: dict[str | None, list[dict[str, Any]]] = {None: []}
         for entry in record["plans"]:
             if entry.get("plan") is not None:
@@ -610,11 +611,11 @@ def measured_report(measured: dict[str, Any]) -> str:
         "auto = `make_plan(..., "
         "offload=False)`; chen-sqrt = sqrt(n) segments (one plan, the same at every "
         "budget). Budgets remove 1.25x, 1.5x and 2x of the SIMULATED activation memory. "
-        f"Each distinct plan ran in {measured['repeats']} fresh subprocess(es): the "
+        "Each distinct plan ran in fresh subprocesses (how many: under each model): the "
         "rewritten step's allocator peak (`get_memory_info(\"CPU:0\")[\"peak\"]` after "
         "`reset_memory_stats`, median of 3 steps after a warm-up, weights, optimizer "
         "state and batch included) before anything else was traced in the process; then "
-        f"its step time over the plain step's, median of {measured['steps']} steps run "
+        "its step time over the plain step's, median of the timed steps run "
         "alternately in that process. Each cell: predicted / measured peak (min–max over "
         "the subprocesses), measured step-time ratio to the plain step (min–max), the "
         "simulator's overhead, segments; \"(over)\": measured above the budget. Step-time "
@@ -633,7 +634,8 @@ def measured_report(measured: dict[str, Any]) -> str:
                   f"{m['activations'] / MIB:.0f} activations), measured "
                   f"{plain['median'] / MIB:.0f} MiB" + (
                       f" ({min(peaks) / MIB:.0f}–{max(peaks) / MIB:.0f})"
-                      if len(peaks) > 1 else "") + ".", "",
+                      if len(peaks) > 1 else "") + f". {len(peaks)} fresh subprocess(es) "
+                  f"per plan, {m.get('steps', measured['steps'])} timed steps each.", "",
                   "| target | budget MiB | " + " | ".join(MEASURED_ROWS) + " |",
                   "|---:|---:|" + "---|" * len(MEASURED_ROWS)]
         for r in measured["reductions"]:
