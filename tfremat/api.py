@@ -91,8 +91,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         objective: `"time"` (least recomputation under the budget) or `"memory"`
             (Kusumoto et al.'s memory-centric strategy) for the DP planners.
         offload: Let planner `"auto"` offload activations to host memory when
-            recomputation alone cannot meet the budget: True, False, or `"auto"`
-            (on when a GPU exists, so that there is a host to offload to).
+            recomputation alone cannot meet the budget, and planner `"dqn"`
+            swap outputs out: True, False, or `"auto"` (on when a GPU exists,
+            so that there is a host to offload to).
         time_limit: Seconds the exact DP may take before falling back.
         verbose: 1 shows what planning is doing (tracing, the planners "auto"
             tries, the DPs' progress) once it has taken more than two seconds;
@@ -144,7 +145,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     check_planner(planner, objective, offload, update_in_backward)
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
-    if planner == "auto":
+    if planner in ("auto", "dqn"):
         settings = {**settings, "offload": bool(offload)}
     with progress(verbose) as track:
         if graph is None:

@@ -204,3 +204,52 @@ def test_training_script_reproduces_the_shipped_weights(tmp_path):
     shipped, _ = network.load_weights(SHIPPED_WEIGHTS)
     for k in network.NAMES:
         np.testing.assert_array_equal(fresh[k], shipped[k])
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_GRAPHS))
+def test_without_offload_plans_are_recompute_only_or_autos_without_offload(name):
+    graph = RANDOM_GRAPHS[name]()
+    plain = simulate(graph)
+    budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = dqn(graph, budget, offload=False)
+        except BudgetError:
+            with pytest.raises(BudgetError):
+                make_plan(graph, budget, "auto", offload=False)
+            return
+    plan.validate(graph)
+    assert not plan.offloaded and plan.settings["offload"] is False
+    assert plan.estimates.details["actions"]["swap"] == 0
+    assert simulate(graph, plan).peak_bytes <= budget
+    if "fallback" in plan.estimates.details:
+        auto = make_plan(graph, budget, "auto", offload=False)
+        assert plan.segments == auto.segments
+    # make_plan passes its offload setting on to the DQN.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert make_plan(graph, budget, "dqn", offload=False) == plan
+
+
+def test_a_recompute_only_plan_of_the_agent_rewrites_with_the_originals_gradients():
+    import keras
+
+    import tfremat
+    from tests.rewriter import rewrite_helpers as h
+
+    keras.utils.set_random_seed(1)
+    model = h.residual_cnn()
+    x = h.batch_for(model)
+    graph = tfremat.extract(model, batch_size=x.shape[0])
+    plain = simulate(graph)
+    budget = int(plain.persistent_bytes + 0.97 * plain.activation_peak_bytes)
+    # Five episodes of fine-tuning make the agent meet this budget itself (the
+    # shipped weights alone fall back to auto on this small graph).
+    plan = dqn(graph, budget, offload=False, finetune_episodes=5)
+    assert "fallback" not in plan.estimates.details, plan.estimates.note
+    assert plan.segments and not plan.offloaded and plan.peak_bytes <= budget
+    rewritten = tfremat.rewrite(model, plan)
+    assert rewritten is not model
+    h.assert_same_step(model, rewritten, x)
+    h.assert_same_step(model, rewritten, x, "function")

@@ -66,7 +66,8 @@ class Planner(keras.callbacks.Callback):
             training step, weights and optimizer state included.
         planner: Planner name (see `tfremat.plan`), `"auto"` by default.
         objective: `"time"` or `"memory"` for the DP planners.
-        offload: Whether `"auto"` may offload activations to host memory:
+        offload: Whether `"auto"` may offload activations to host memory (and
+            `"dqn"` swap outputs out):
             True, False or `"auto"` (when a GPU exists). Offload runs the step
             outside XLA for this fit (a warning says so).
         verbose: 1 prints the plan summary at the start of training, and shows

@@ -66,7 +66,7 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
             falls back to the approximate DP.
         verbose: 1 or more shows progress of the DP planners.
         offload: Whether "auto" may offload to host memory when recomputation
-            alone cannot meet the budget.
+            alone cannot meet the budget, and whether "dqn" may swap out.
         update_in_backward: Plan for optimizer updates inside the backward
             pass (`Plan.update_in_backward`): every plan is simulated with each
             weight gradient freed by its update, so the planners reach the
@@ -104,6 +104,8 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
                                 settings)
     if planner == "approx-dp":
         settings = {**settings, "objective": objective, "verbose": verbose}
+    if planner == "dqn":
+        settings = {**settings, "offload": offload}
     return PLANNERS[planner](graph, budget_bytes, **settings)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import warnings
@@ -21,7 +22,8 @@ SHIPPED_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weig
 
 def dqn(graph: PlanGraph, budget_bytes: int, *, finetune_episodes: int = 0, seed: int = 0,
         weights: str | os.PathLike | None = None, bandwidth_gbps: float = BANDWIDTH_GBPS,
-        device_flops: float = DEVICE_FLOPS, min_bytes: int = MIN_BYTES) -> Plan:
+        device_flops: float = DEVICE_FLOPS, min_bytes: int = MIN_BYTES,
+        offload: bool = True) -> Plan:
     """Plans host offload and recomputation with the DQN paper's agent.
 
     The agent walks the layer calls in execution order and, at each, swaps
@@ -39,6 +41,11 @@ def dqn(graph: PlanGraph, budget_bytes: int, *, finetune_episodes: int = 0, seed
     `"agent_peak_bytes"` and `"agent_overhead"` give the agent's own plan's
     figures): it never returns a plan over the budget.
 
+    With `offload=False` the agent only removes or leaves calls (swap-out is
+    never a valid action, as at nodes the swap planner offers no tensor of)
+    and the fallback is `"auto"` without offload: a recompute-only plan, the
+    kind whose peak can be measured on a CPU.
+
     Args:
         graph: The PlanGraph.
         budget_bytes: Device budget in bytes, persistent bytes included.
@@ -50,6 +57,8 @@ def dqn(graph: PlanGraph, budget_bytes: int, *, finetune_episodes: int = 0, seed
         bandwidth_gbps: Bandwidth of each copy stream in GB/s.
         device_flops: FLOP/s of the device, for calls without measured times.
         min_bytes: Smallest tensor the agent may offload.
+        offload: Whether the agent may swap outputs out to the host (and the
+            fallback may offload); False gives recompute-only plans.
 
     Returns:
         A Plan within the budget whose `PlanEstimate` comes from `simulate`
@@ -76,6 +85,8 @@ def dqn(graph: PlanGraph, budget_bytes: int, *, finetune_episodes: int = 0, seed
     settings = {"finetune_episodes": int(finetune_episodes), "seed": seed,
                 "bandwidth_gbps": bandwidth_gbps, "device_flops": device_flops,
                 "min_bytes": min_bytes}
+    if not offload:
+        settings["offload"] = False
     if weights is not None:
         settings["weights"] = os.fspath(weights)
     timing = {"bandwidth_gbps": bandwidth_gbps, "device_flops": device_flops}
@@ -87,6 +98,8 @@ def dqn(graph: PlanGraph, budget_bytes: int, *, finetune_episodes: int = 0, seed
             estimates=plain.plan_estimate(with_time=True, note="The step fits the budget "
                                           "without a plan: no rewrite needed."))
     view = describe(graph, min_bytes=min_bytes, **timing)
+    if not offload:  # no swap-out anywhere: the agent removes or does nothing
+        view = dataclasses.replace(view, can_swap=np.zeros_like(view.can_swap), offloads={})
     agent = Agent(params, seed=seed)
     if finetune_episodes:
         agent.train([(view, budget_bytes)], int(finetune_episodes))
@@ -117,7 +130,7 @@ def _fallback(graph: PlanGraph, budget_bytes: int, settings: dict, lowest_peak: 
     missed = (f"The DQN agent's plan reached {lowest_peak / 2**20:.1f} MiB at best, over "
               f"the budget of {budget_bytes / 2**20:.1f} MiB")
     try:
-        plan = make_plan(graph, budget_bytes, "auto", offload=True,
+        plan = make_plan(graph, budget_bytes, "auto", offload=settings.get("offload", True),
                          **{k: v for k, v in settings.items() if k in SWAP_SETTINGS})
     except BudgetError as err:
         raise BudgetError(budget_bytes, min(lowest_peak, err.min_budget_bytes), "dqn",
