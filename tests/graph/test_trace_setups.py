@@ -97,10 +97,13 @@ def test_metrics_leave_room_for_a_plan():
     predicted peak fell far below the measured one, and the plan was empty."""
     model = conv_stack(size=32, channels=32)
     model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
-    graph = tfremat.extract(model, batch_size=8)
+    # Tensors only: the kernels' scratch, measured on the allocator, moves by a few
+    # percent from one extraction to the next in one process (40.5-41.4 MB predicted
+    # for the same compile), which is not what this test is about.
+    graph = tfremat.extract(model, batch_size=8, measure_kernels=False)
     plain = conv_stack(size=32, channels=32)
     plain.compile(optimizer="adam", loss="categorical_crossentropy")
-    assert_same_graph(graph, tfremat.extract(plain, batch_size=8))
+    assert_same_graph(graph, tfremat.extract(plain, batch_size=8, measure_kernels=False))
     with pytest.raises(tfremat.BudgetError) as err:  # the lowest feasible budget
         tfremat.plan(model, budget_mb=1.0, graph=graph)
     budget_mb = (err.value.min_budget_mb + tfremat.simulate(graph).peak_mb) / 2

@@ -492,8 +492,8 @@ class Planner(keras.callbacks.Callback):
             plan = self._plan(target, sample=self._sample)
         except BudgetError as e:
             # Best effort: the lowest plan, at the minimum the planner itself stated
-            # (another objective's minimum may be out of its reach).
-            plan = self._plan(e.min_budget_mb)
+            # (another objective's minimum may be out of its reach), measured too.
+            plan = self._plan(e.min_budget_mb, sample=self._sample)
             warnings.warn(
                 f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
                 f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "
