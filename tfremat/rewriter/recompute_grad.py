@@ -8,9 +8,10 @@ at 484 MiB against 371 MiB with Grappler off). Here the dependency is
 `x + min(|g|, 0)`: 0 for every finite gradient, NaN for NaN, and nothing an
 optimizer may fold. Integer inputs (token ids) get the NaN as 0: cast to an
 integer it would be an index of about -2**31, and the recompute's gather would
-fail where the step without recompute goes on with NaN gradients. It reads every output's gradient: `tf.recompute_grad` waits
-for the first only, so a segment whose other output feeds a skip connection
-recomputed as soon as that early gradient arrived.
+fail where the step without recompute goes on with NaN gradients. It reads
+every output's gradient: `tf.recompute_grad` waits for the first only, so a
+segment whose other output feeds a skip connection recomputed as soon as that
+early gradient arrived.
 """
 
 from __future__ import annotations
