@@ -109,6 +109,17 @@ def synthetic_batch(spec: Any, seed: int = 0) -> Any:
     return tf.nest.map_structure(make, spec)
 
 
+def _given_batch(sample: Any) -> tuple[Any, Any] | None:
+    """The `(x, y)` arrays of a concrete sample batch, copied by a TensorFlow op
+    so that they live in its allocator as a real batch does; None for a
+    dataset, a missing sample or one without targets."""
+    if sample is None or isinstance(sample, tf.data.Dataset) or not (
+            isinstance(sample, tuple) and len(sample) >= 2 and sample[1] is not None):
+        return None
+    copy = lambda a: tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(a))  # noqa: E731
+    return tf.nest.map_structure(copy, sample[0]), tf.nest.map_structure(copy, sample[1])
+
+
 def _require_built(model: keras.Model) -> None:
     """Refuses a model with a layer that has not made its weights yet."""
     unbuilt = [layer.name for layer in model._flatten_layers() if not layer.built]
@@ -262,8 +273,9 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     Args:
         model: A built Keras model; compiled models run their own `train_step`.
         batch_size: Batch size, when shapes come from `model.inputs`.
-        sample: One batch `(x, y)` or a `tf.data.Dataset`; random data of its
-            shapes is used.
+        sample: One batch `(x, y)`, whose values the measured steps use (token
+            ids and masks change what a step computes), or a `tf.data.Dataset`
+            or an `x` alone, for whose shapes random data is made.
         repeats: Measured steps after a warm-up step.
         return_details: Return a `MeasuredPeak` instead of bytes.
 
@@ -284,10 +296,11 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     jit = getattr(model, "jit_compile", False) is True
-    x = synthetic_batch(x_spec, 1)
+    given = _given_batch(sample)
+    x = given[0] if given else synthetic_batch(x_spec, 1)
     error: Exception | None = None
     for y_spec in candidates:
-        y = synthetic_batch(y_spec, 2)
+        y = given[1] if given else synthetic_batch(y_spec, 2)
         # Each target spec gets its own copies and tf.function: a failed trace
         # leaves nothing half-built for the next one.
         with _stand_ins(model) as replaced:

@@ -32,7 +32,10 @@ def fitted(tmp_path_factory):
     x, y = data(2)
     model = make_model()
     graph = tfremat.extract(model, batch_size=BATCH)
-    budget = 0.8 * tfremat.simulate(graph).peak_mb
+    with pytest.raises(tfremat.BudgetError) as lowest:
+        tfremat.plan(model, 1, graph=graph)
+    # Between the lowest plan and the plain step: binding, and reachable.
+    budget = (tfremat.simulate(graph).peak_mb + lowest.value.min_budget_mb) / 2
     planner = tfremat.Planner(budget, verbose=0, measure=False, plot=str(tmp / "memory.png"),
                               replan=False)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[

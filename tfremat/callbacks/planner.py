@@ -169,7 +169,7 @@ class Planner(keras.callbacks.Callback):
         self._warming_up = False  # the step just run is the first of a new plan
         self._epoch = 0
         self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
-        self._sample: Any = None  # zeros shaped like the first batch, for measuring
+        self._sample: Any = None  # one device's share of the first batch, for measuring
         self._summary_writer: Any = None  # a TensorBoard callback's train run
 
     # -- wiring fit's events ---------------------------------------------------
@@ -316,7 +316,7 @@ class Planner(keras.callbacks.Callback):
                 break
             batches.append(nxt.get_value())
         batches = [self._global_batch(b) for b in batches]
-        sample = self._sample = self._zeros_like_replica_batch(batches[0])
+        sample = self._sample = self._replica_batch(batches[0])
         if not model.built:
             # Without a distribution strategy, Keras's TensorFlow trainer builds an
             # unbuilt model while tracing the first step; planning needs it built
@@ -333,8 +333,8 @@ class Planner(keras.callbacks.Callback):
         return self._iterator_of(batches, static)
 
     def _plan(self, budget_mb: float, sample: Any = None) -> Plan:
-        """A plan for `budget_mb`; measured, then chosen, when `sample` (zeros
-        of the first batch) is given and the callback measures."""
+        """A plan for `budget_mb`; measured, then chosen, when `sample` (one
+        device's share of the first batch) is given and the callback measures."""
         measure = (self.measure and self._stats and sample is not None
                    and self.model.distribute_strategy.num_replicas_in_sync == 1)
 
@@ -350,7 +350,7 @@ class Planner(keras.callbacks.Callback):
         except (tf.errors.OpError, UnsupportedModelError) as e:
             if not measure:
                 raise
-            # A measurement must never cost the training run (its random data
+            # A measurement must never cost the training run (its data
             # may not suit the model, a trial may run out of memory).
             warnings.warn(f"tfremat: could not measure the candidate plans ({e}); this "
                           "fit plans by the prediction alone.", RuntimeWarning, stacklevel=2)
@@ -455,17 +455,20 @@ class Planner(keras.callbacks.Callback):
             dataset = strategy.experimental_distribute_dataset(dataset)
         return iter(dataset)
 
-    def _zeros_like_replica_batch(self, data: Any) -> tuple[Any, Any]:
-        """Zero arrays shaped like one device's share of the batch."""
+    def _replica_batch(self, data: Any) -> tuple[Any, Any]:
+        """One device's share of the batch `(x, y)` as arrays: its first rows.
+
+        Tracing and measuring run on these values, not on zeros or noise: token
+        ids and masks decide what a step computes (all-zero ids under
+        `mask_zero=True` mask every step and make the loss NaN).
+        """
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         replicas = self.model.distribute_strategy.num_replicas_in_sync
 
-        def zeros(t: tf.Tensor) -> np.ndarray:
-            shape = t.shape.as_list()
-            shape[0] //= replicas
-            return np.zeros(shape, t.dtype.as_numpy_dtype)
+        def share(t: tf.Tensor) -> np.ndarray:
+            return np.asarray(t)[:t.shape[0] // replicas]
 
-        return tf.nest.map_structure(zeros, x), tf.nest.map_structure(zeros, y)
+        return tf.nest.map_structure(share, x), tf.nest.map_structure(share, y)
 
     # -- measuring -----------------------------------------------------------------
 

@@ -75,14 +75,15 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
 
 class _Dataflow:
     """Buffers (alias roots), sizes and readers of a traced step's tensors, and
-    the scratch bytes of their kernels (op index -> bytes); `concurrent`: the
-    kernels of sibling ops may run (and hold scratch) at the same time."""
+    the scratch bytes of their kernels (op index -> bytes); `threads`: how many
+    kernels may run (and hold scratch) at the same time."""
 
     def __init__(self, ops: list[tf.Operation], scratch: dict[int, int],
-                 concurrent: bool = False) -> None:
+                 threads: int = 1) -> None:
         self.ops = ops
         self.scratch = scratch
-        self.concurrent = concurrent
+        self.threads = threads
+        self.concurrent = threads > 1
         self.index = {op.name: i for i, op in enumerate(ops)}
         self.root: dict[_Root, _Root] = {}
         self.size: dict[_Root, int] = {}
@@ -191,11 +192,45 @@ def _scratch_spans(positions: list[int], local: dict[int, int],
     return spans
 
 
+def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
+                         owner: list[str | None]) -> dict[str, int]:
+    """For each node, the scratch of an earlier node's kernel that may still be
+    running when its backward starts (only when kernels run side by side,
+    `flow.concurrent`).
+
+    A backward kernel whose outputs no other node's backward reads (a weight
+    gradient, which only the update reads) is off the chain of output
+    gradients: the executor starts the next node's backward on another
+    inter-op thread while it runs. With TensorFlow's CPU kernels a 3x3
+    `Conv2DBackpropFilter` holds up to 30 MiB of scratch, and two of them at
+    once show up in about one step in ten, so an epoch's peak has them. The
+    latest such kernel counts in the backward of every node that starts
+    before the next one.
+    """
+    carry: dict[str, int] = {}
+    if not flow.concurrent:
+        return carry
+    bwd = range(traced.backward_start, traced.backward_end)
+    pending_owner, pending = None, 0
+    for i in bwd:
+        v = owner[i]
+        if v not in (None, LOSS, UPDATE) and v not in carry:
+            carry[v] = pending if pending_owner != v else 0
+        readers = [c for j in range(len(flow.ops[i].outputs))
+                   for c in flow.readers[flow.root[(i, j)]]]
+        if flow.scratch.get(i) and readers and all(
+                c not in bwd or owner[c] == v for c in readers):
+            pending_owner, pending = v, flow.scratch[i]
+    return carry
+
+
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
-                         is_temporary: Any) -> int:
+                         is_temporary: Any, carried: int = 0) -> int:
     """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
     each alive from its op to its last reader among `positions`, and of the
-    scratch of their kernels, alive while each runs.
+    scratch of their kernels, alive while each runs; `carried`: scratch of an
+    earlier kernel that may still run throughout. At most `flow.threads`
+    kernels hold scratch at once.
 
     An elementwise op whose temporary input dies at it writes into that input's
     buffer, as TensorFlow's kernels do when they own the only reference.
@@ -205,9 +240,13 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     local = {p: k for k, p in enumerate(positions)}
     delta = [0] * (len(positions) + 1)
     last: dict[_Root, int] = {}
-    for p, (start, end) in _scratch_spans(positions, local, flow).items():
-        delta[start] += flow.scratch[p]
-        delta[end + 1] -= flow.scratch[p]
+    kernels = [(start, end, flow.scratch[p])
+               for p, (start, end) in _scratch_spans(positions, local, flow).items()]
+    if carried:
+        kernels.append((0, len(positions) - 1, carried))
+    scratch = [sum(sorted((b for start, end, b in kernels if start <= k <= end),
+                          reverse=True)[:flow.threads])
+               for k in range(len(positions))] if kernels else [0] * len(positions)
     for p in positions:
         op = flow.ops[p]
         for j in range(len(op.outputs)):
@@ -222,9 +261,9 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
             delta[local[p] + (1 if reused else 0)] += nbytes
             delta[last[r] + 1] -= nbytes
     peak = live = 0
-    for d in delta[:-1]:
+    for d, held in zip(delta, scratch):
         live += d
-        peak = max(peak, live)
+        peak = max(peak, live + held)
     return peak
 
 
@@ -234,7 +273,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     measured scratch of its kernels, counts in the workspaces."""
     ops = traced.ops
     flow = _Dataflow(ops, kernels.bytes_by_op if kernels else {},
-                     kernels.concurrent if kernels else False)
+                     kernels.threads if kernels and kernels.concurrent else 1)
     owner = _owners(traced, flow)
     bwd = range(traced.backward_start, traced.backward_end)
 
@@ -281,6 +320,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
 
     nodes: list[Node] = []
     params_seen: set[str] = set()
+    overlapping = _overlapping_scratch(traced, flow, owner)
 
     # Input nodes.
     if input_sites:
@@ -313,7 +353,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         forward_ws = _peak_of_temporaries(
             fwd_pos, flow, lambda r: r not in out_roots and r not in saved_roots)
         backward_ws = _peak_of_temporaries(
-            bwd_pos, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]))
+            bwd_pos, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
+            carried=overlapping.get(site.id, 0))
         weights = getattr(site.operation, "trainable_weights", [])
         param_bytes = 0
         if site.layer_key not in params_seen:

@@ -71,10 +71,16 @@ class KernelWorkspaces:
         both start when its output gradient is ready); a GPU runs a step's
         kernels one after the other on its compute stream.
         """
+        return self.threads > 1
+
+    @property
+    def threads(self) -> int:
+        """How many kernels can run (and hold scratch) at once on `device`:
+        TensorFlow's inter-op threads on CPU, one on a GPU."""
         if not self.device.startswith("CPU"):
-            return False
+            return 1
         threads = tf.config.threading.get_inter_op_parallelism_threads()
-        return (threads or os.cpu_count() or 1) > 1
+        return threads or os.cpu_count() or 1
 
     def metadata(self) -> dict[str, Any]:
         """A summary for `PlanGraph.metadata["kernel_workspaces"]`."""

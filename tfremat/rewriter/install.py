@@ -96,8 +96,8 @@ class PlanInstallation:
 
         Args:
             batch_size: Batch size, when shapes come from `model.inputs`.
-            sample: One batch `(x, y)` or a `tf.data.Dataset`; random data of
-                its shapes is used.
+            sample: One batch `(x, y)`, whose values the steps use, or a
+                `tf.data.Dataset`, for whose shapes random data is made.
             repeats: Measured steps after a warm-up step.
 
         Returns:
