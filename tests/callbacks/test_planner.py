@@ -1,5 +1,7 @@
 """The Planner callback inside model.fit."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -397,3 +399,34 @@ def test_training_with_updates_in_backward_is_bit_identical_to_plain_training(bu
     assert planner.plan.update_in_backward
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_trials_run_on_the_first_batch_of_a_masked_model_with_float_token_ids():
+    """The trials measure on the real first batch: on zeros, `mask_zero` masked
+    every token, the loss and its gradient were NaN, and a recompute segment
+    fed NaN token ids to the embedding (a gather error), so the Planner could
+    not measure and trained on the prediction alone."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((24,))  # float32, as keras.Input makes it by default
+    h = keras.layers.Embedding(200, 32, mask_zero=True)(inp)
+    for _ in range(3):
+        h = keras.layers.LSTM(32, return_sequences=True)(h)
+    model = keras.Model(inp, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(h)))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 200, (32, 24))
+    x[:, 16:] = 0
+    y = rng.integers(0, 4, 32)
+    graph = tfremat.extract(model, sample=(x[:16], y[:16]))
+    with pytest.raises(tfremat.BudgetError) as lowest:
+        tfremat.plan(model, 0.01, graph=graph)
+    budget = (tfremat.simulate(graph).peak_mb + lowest.value.min_budget_mb) / 2
+    planner = tfremat.Planner(budget, verbose=0, replan=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[planner])
+    assert not any("could not measure" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    assert planner.plan.segments
+    assert planner.plan.estimates.details["trials"]
+    assert np.isfinite(history.history["loss"]).all()
