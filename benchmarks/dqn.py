@@ -238,7 +238,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", help="directory to keep extracted PlanGraphs in")
-    parser.add_argument("--models", help="comma-separated first words of the labels")
+    parser.add_argument("--models", help="comma-separated starts of the labels "
+                        "(\"VGG19\" or \"VGG19 128px\")")
     parser.add_argument("--measure", action="store_true",
                         help="only measure recompute-only plans on the CPU (keeps the "
                              "simulated tables of dqn.json)")
@@ -274,10 +275,10 @@ def main() -> None:
     from tfremat.planners.deepq import SHIPPED_WEIGHTS
     from tfremat.planners.deepq.network import load_weights
 
-    wanted = set(args.models.split(",")) if args.models else None
+    wanted = args.models.split(",") if args.models else None
     results = []
     for label, build, batch in models():
-        if wanted and label.split()[0] not in wanted:
+        if wanted and not any(label.startswith(w) for w in wanted):
             continue
         graph = offload.load_graph(label, build, batch, args.cache)
         results.append(sweep(label, graph))
@@ -329,13 +330,16 @@ def measured_models() -> dict[str, tuple[Callable[[], Any], int]]:
         model.compile(optimizer="adam", loss="categorical_crossentropy")
         return model
 
-    def vgg19() -> Any:
-        import keras
+    def vgg19(size: int) -> Callable[[], Any]:
+        def build() -> Any:
+            import keras
 
-        model = keras.applications.VGG19(weights=None, input_shape=(96, 96, 3),
-                                         classes=10)
-        model.compile(optimizer="adam", loss="categorical_crossentropy")
-        return model
+            model = keras.applications.VGG19(weights=None, input_shape=(size, size, 3),
+                                             classes=10)
+            model.compile(optimizer="adam", loss="categorical_crossentropy")
+            return model
+
+        return build
 
     def unet() -> Any:
         model = planners.build_unet(128)
@@ -348,7 +352,8 @@ def measured_models() -> dict[str, tuple[Callable[[], Any], int]]:
             blocks=4, seq=256, width=256, heads=4, ff=1024, vocab=4000), 8),
         "LSTM 4x256, seq 64": (lambda: lstm(layers=4, seq=64, width=256, vocab=4000), 16),
         "ResNet50 96px": (resnet50, 16),
-        "VGG19 96px": (vgg19, 8),
+        "VGG19 96px": (vgg19(96), 8),
+        "VGG19 128px": (vgg19(128), 16),
     }
 
 
@@ -524,8 +529,8 @@ def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
 
     labels = list(measured_models())
     if args.models:
-        wanted = set(args.models.split(","))
-        labels = [m for m in labels if m.split()[0] in wanted]
+        wanted = args.models.split(",")
+        labels = [m for m in labels if any(m.startswith(w) for w in wanted)]
     before = data.get("measured") or {}
     old = {m["model"]: {"command": before["command"], "steps": before["steps"], **m}
            for m in before.get("models", [])}
