@@ -524,6 +524,7 @@ def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
     """Plans and measures every model of `measured_models()` (or `--models`),
     writing results after each model into `data["measured"]`."""
     import platform
+    import shlex
     import statistics
     import tempfile
 
@@ -535,7 +536,7 @@ def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
     old = {m["model"]: {"command": before["command"], "steps": before["steps"], **m}
            for m in before.get("models", [])}
     data["measured"] = {
-        "command": "python " + " ".join(["benchmarks/dqn.py", *without_cache(sys.argv[1:])]),
+        "command": "python " + shlex.join(["benchmarks/dqn.py", *without_cache(sys.argv[1:])]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                    f"{platform.python_version()}, TensorFlow CPU",
         "repeats": args.repeats, "steps": args.steps, "reductions": MEASURED_REDUCTIONS,
