@@ -33,7 +33,11 @@ step time against the plain step's, alternately in the same process.
 
 `--models` measures some models and keeps the others' measured rows;
 `--plans-cache` keeps each model's plans (fine-tuning the agent on ResNet50
-takes minutes per budget).
+takes minutes per budget); `--append` adds the new runs to a model's earlier
+ones (made from the same cached plans), so that the table shows their spread.
+
+    python benchmarks/dqn.py --measure --models LSTM --repeats 1 --append \
+        --plans-cache /tmp/plans
 """
 
 from __future__ import annotations
@@ -234,7 +238,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", help="directory to keep extracted PlanGraphs in")
-    parser.add_argument("--models", help="comma-separated first words of the labels")
+    parser.add_argument("--models", help="comma-separated starts of the labels "
+                        "(\"VGG19\" or \"VGG19 128px\")")
     parser.add_argument("--measure", action="store_true",
                         help="only measure recompute-only plans on the CPU (keeps the "
                              "simulated tables of dqn.json)")
@@ -244,6 +249,10 @@ def main() -> None:
                         help="timed steps of each model per measuring subprocess")
     parser.add_argument("--plans-cache", help="with --measure: directory of the plans "
                         "made per model (used when there, written otherwise)")
+    parser.add_argument("--append", action="store_true",
+                        help="with --measure: add the runs to each model's earlier "
+                             "measured runs (the plans must be the same: use "
+                             "--plans-cache)")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite dqn.md from dqn.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -266,10 +275,10 @@ def main() -> None:
     from tfremat.planners.deepq import SHIPPED_WEIGHTS
     from tfremat.planners.deepq.network import load_weights
 
-    wanted = set(args.models.split(",")) if args.models else None
+    wanted = args.models.split(",") if args.models else None
     results = []
     for label, build, batch in models():
-        if wanted and label.split()[0] not in wanted:
+        if wanted and not any(label.startswith(w) for w in wanted):
             continue
         graph = offload.load_graph(label, build, batch, args.cache)
         results.append(sweep(label, graph))
@@ -321,6 +330,17 @@ def measured_models() -> dict[str, tuple[Callable[[], Any], int]]:
         model.compile(optimizer="adam", loss="categorical_crossentropy")
         return model
 
+    def vgg19(size: int) -> Callable[[], Any]:
+        def build() -> Any:
+            import keras
+
+            model = keras.applications.VGG19(weights=None, input_shape=(size, size, 3),
+                                             classes=10)
+            model.compile(optimizer="adam", loss="categorical_crossentropy")
+            return model
+
+        return build
+
     def unet() -> Any:
         model = planners.build_unet(128)
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
@@ -332,6 +352,8 @@ def measured_models() -> dict[str, tuple[Callable[[], Any], int]]:
             blocks=4, seq=256, width=256, heads=4, ff=1024, vocab=4000), 8),
         "LSTM 4x256, seq 64": (lambda: lstm(layers=4, seq=64, width=256, vocab=4000), 16),
         "ResNet50 96px": (resnet50, 16),
+        "VGG19 96px": (vgg19(96), 8),
+        "VGG19 128px": (vgg19(128), 16),
     }
 
 
@@ -502,18 +524,19 @@ def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
     """Plans and measures every model of `measured_models()` (or `--models`),
     writing results after each model into `data["measured"]`."""
     import platform
+    import shlex
     import statistics
     import tempfile
 
     labels = list(measured_models())
     if args.models:
-        wanted = set(args.models.split(","))
-        labels = [m for m in labels if m.split()[0] in wanted]
+        wanted = args.models.split(",")
+        labels = [m for m in labels if any(m.startswith(w) for w in wanted)]
     before = data.get("measured") or {}
-    old = {m["model"]: {"command": before["command"], **m}
+    old = {m["model"]: {"command": before["command"], "steps": before["steps"], **m}
            for m in before.get("models", [])}
     data["measured"] = {
-        "command": "python " + " ".join(["benchmarks/dqn.py", *without_cache(sys.argv[1:])]),
+        "command": "python " + shlex.join(["benchmarks/dqn.py", *without_cache(sys.argv[1:])]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                    f"{platform.python_version()}, TensorFlow CPU",
         "repeats": args.repeats, "steps": args.steps, "reductions": MEASURED_REDUCTIONS,
@@ -570,10 +593,49 @@ def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
                                      "step_ratio": statistics.median(ratios),
                                      "plain_step_s": [r["plain_step_s"]
                                                       for r in runs[key]]}
+        if args.append:
+            if label not in old:
+                raise SystemExit(f"--append: {label} has no earlier measured runs")
+            append_runs(old[label], record)
         for entry in record["plans"]:
             entry.pop("plan", None)  # the JSON stays small; plans are deterministic
         data["measured"]["models"].append(record)
         render(data)  # partial results as models finish
+
+
+def append_runs(earlier: dict[str, Any], record: dict[str, Any]) -> None:
+    """Puts the measured runs of `earlier` (the same model's record from an
+    earlier invocation) before those of `record`, in place.
+
+    Raises:
+        ValueError: when a plan or the number of timed steps differs between
+            the two records.
+    """
+    import statistics
+
+    if earlier["steps"] != record["steps"]:
+        raise ValueError(f"--append: {earlier['steps']} timed steps before, "
+                         f"{record['steps']} now")
+    commands = earlier["command"]
+    record["command"] = [*(commands if isinstance(commands, list) else [commands]),
+                         record["command"]]
+    plain = earlier["measured_plain"]["peaks"] + record["measured_plain"]["peaks"]
+    record["measured_plain"] = {"peaks": plain, "median": statistics.median(plain)}
+    before = {(e["row"], e["target"]): e for e in earlier["plans"]}
+    for entry in record["plans"]:
+        old = before[entry["row"], entry["target"]]
+        if (old.get("segments"), old["predicted_peak"]) != (entry.get("segments"),
+                                                             entry["predicted_peak"]):
+            raise ValueError(f"--append: the plan of {entry['row']} at "
+                             f"{entry['target']}x differs from the earlier one")
+        if entry.get("measured") is None:
+            continue
+        new, was = entry["measured"], old["measured"]
+        peaks = was["peaks"] + new["peaks"]
+        ratios = was["step_ratios"] + new["step_ratios"]
+        entry["measured"] = {"peaks": peaks, "median": statistics.median(peaks),
+                             "step_ratios": ratios, "step_ratio": statistics.median(ratios),
+                             "plain_step_s": was["plain_step_s"] + new["plain_step_s"]}
 
 
 def measured_cell(entry: dict[str, Any]) -> str:
@@ -627,8 +689,12 @@ def measured_report(measured: dict[str, Any]) -> str:
         plain = m["measured_plain"]
         peaks = plain["peaks"]
         command = m.get("command", measured["command"])
-        lines += [f"### {m['model']}, batch {m['batch']}", "",
-                  *([f"Command: `{command}`", ""] if command != measured["command"] else []),
+        if isinstance(command, list):  # runs appended by later invocations
+            said = ["Commands, whose runs are pooled: "
+                    + "; ".join(f"`{c}`" for c in command), ""]
+        else:
+            said = [f"Command: `{command}`", ""] if command != measured["command"] else []
+        lines += [f"### {m['model']}, batch {m['batch']}", "", *said,
                   f"{m['nodes']} layer calls. Plain step: predicted "
                   f"{m['peak'] / MIB:.0f} MiB ({m['persistent'] / MIB:.0f} persistent + "
                   f"{m['activations'] / MIB:.0f} activations), measured "

@@ -117,7 +117,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             `train_step`, a `tf.distribute` strategy) the plan says why in
             `update_note` and updates after the backward pass.
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
-            `finetune_episodes=20` for `planner="dqn"`.
+            `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.
 
     Inside the `scope()` of a `tf.distribute.MultiWorkerMirroredStrategy`,
     call it on every worker, as the rest of the training code: each worker

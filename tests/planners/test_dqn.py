@@ -1,11 +1,13 @@
-"""The DQN planner: valid plans within budget (or auto's, with a warning), the shipped
-weights reproduce the committed benchmark rows, training lowers the loss, and bad
-weights or settings are refused clearly."""
+"""The DQN planner: valid plans within budget (or auto's, with a warning) and within
+the host budget, the shipped weights reproduce the committed benchmark rows, training
+lowers the loss, fine-tuning stops at its time limit, and bad weights or settings are
+refused clearly."""
 
 import json
 import pathlib
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -138,6 +140,97 @@ def test_weights_of_another_features_version_are_refused(tmp_path):
     with pytest.raises(ValueError, match=f"features version {FEATURES_VERSION + 1}.*"
                                          f"computes version {FEATURES_VERSION}.*retrain"):
         dqn(G.chain(10), 10**6, weights=path)
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_GRAPHS))
+def test_swaps_keep_the_host_peak_within_a_small_host_budget(name):
+    graph = RANDOM_GRAPHS[name]()
+    params, _ = network.load_weights(SHIPPED_WEIGHTS)
+    # Budget 0: every walk goes to the last call, swapping all it wants.
+    free = Agent(params).greedy(describe(graph), 0)
+    unlimited = simulate(graph, free.plan).host_peak_bytes
+    assert unlimited > 0, "the agent swaps nothing here: the test would prove nothing"
+    host = unlimited // 3
+    view = describe(graph, host_budget_bytes=host)
+    walks = [Agent(params).greedy(view, 0)] + [
+        Agent(params, seed=s).run_episode(view, 0, epsilon=1.0, learn=False)[0]
+        for s in range(3)]  # random valid actions
+    for walk in walks:
+        assert simulate(graph, walk.plan).host_peak_bytes <= host
+    if view.swap_bytes[view.can_swap].min() <= host:
+        assert any(walk.plan.offloaded for walk in walks)
+    plain = simulate(graph)
+    budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = dqn(graph, budget, host_budget_bytes=host)
+        except BudgetError:
+            with pytest.raises(BudgetError):
+                make_plan(graph, budget, "auto", offload=True, host_budget_bytes=host)
+            return
+    est = simulate(graph, plan)
+    assert est.peak_bytes <= budget and est.host_peak_bytes <= host
+    assert plan.settings["host_budget_bytes"] == host
+
+
+def test_no_host_memory_means_no_swap_out():
+    graph = G.resnet_like(4, bn_saved_mib=0.5)
+    plain = simulate(graph)
+    budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = dqn(graph, budget, host_budget_bytes=0)
+    assert plan.estimates.details["actions"]["swap"] == 0 and not plan.offloaded
+    assert plan.peak_bytes <= budget
+
+
+def test_a_zero_finetune_time_limit_stops_fine_tuning_with_a_warning():
+    graph = G.resnet_like(3)
+    plain = simulate(graph)
+    budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stopped = dqn(graph, budget, finetune_episodes=1000, finetune_time_limit=0)
+        shipped = dqn(graph, budget)
+    assert any("Fine-tuning stopped at its time limit of 0 s after 0 of 1000 episodes"
+               in str(w.message) for w in caught)
+    assert stopped.estimates.details["finetune_episodes_run"] == 0
+    assert stopped.estimates.note.startswith("Fine-tuning stopped")
+    assert stopped.settings["finetune_time_limit"] == 0
+    # No episode ran: the shipped weights plan.
+    assert (stopped.segments, stopped.offloaded) == (shipped.segments, shipped.offloaded)
+
+
+def test_fine_tuning_stops_at_the_first_episode_past_the_time_limit():
+    view = describe(G.resnet_like(3))
+    params, _ = network.load_weights(SHIPPED_WEIGHTS)
+    agent = Agent(params, seed=0, batch_size=8)
+    ran = []
+
+    def slow(k, episode, losses):
+        ran.append(k)
+        time.sleep(0.05)  # every episode outlasts the limit
+
+    agent.train([(view, 0)], 50, on_episode=slow, time_limit=0.01)
+    assert ran == [0]
+
+
+def test_fine_tuning_within_its_time_limit_runs_every_episode():
+    graph = G.resnet_like(3)
+    plain = simulate(graph)
+    budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = dqn(graph, budget, finetune_episodes=2, finetune_time_limit=3600)
+    assert plan.estimates.details["finetune_episodes_run"] == 2
+    assert not any("Fine-tuning stopped" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("limit", [-1, "3", True])
+def test_bad_finetune_time_limits_are_refused(limit):
+    with pytest.raises(ValueError, match="finetune_time_limit must be None or a non-negative"):
+        dqn(G.chain(10), 10**6, finetune_episodes=1, finetune_time_limit=limit)
 
 
 @pytest.mark.parametrize("episodes", [-1, 1.5, True, "3"])

@@ -16,6 +16,8 @@ states. Gradients come from `network.backward`, clipped by global norm.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from typing import Callable
 
 import numpy as np
@@ -211,7 +213,7 @@ class Agent:
 
     def train(self, tasks: list[Task] | Callable[[np.random.Generator], Task],
               episodes: int, on_episode: Callable[[int, Episode, list[float]], None]
-              | None = None) -> list[float]:
+              | None = None, time_limit: float | None = None) -> list[float]:
         """Algorithm 1 over `episodes` episodes.
 
         Args:
@@ -220,12 +222,18 @@ class Agent:
             episodes: Number of episodes.
             on_episode: Called after each episode with its index, the episode
                 and its losses.
+            time_limit: Seconds after which no further episode starts (None:
+                no limit); checked before each episode, so the last one may
+                run past it. The agent keeps the weights trained until then.
 
         Returns:
             The loss of every update, in order.
         """
+        end = math.inf if time_limit is None else time.monotonic() + time_limit
         losses: list[float] = []
         for k in range(episodes):
+            if time.monotonic() >= end:
+                break
             if callable(tasks):
                 view, budget = tasks(self.rng)
             else:

@@ -7,6 +7,8 @@ each call where an action is valid the agent picks one of:
 - swap-out: offload the call's outputs that the backward pass reads, each
   prefetched back on the backward step whose compute until the first reader
   covers 1.5 times the copy (the prefetch order follows reuse, Sec. 4.5);
+  valid only while those outputs fit in the host memory the calls swapped out
+  so far leave under the view's host budget (`GraphView.swappable`);
 - remove: recompute the call in the backward pass. Consecutive removed calls
   form one recompute segment (made valid by `toolkit.valid_segments`: convex,
   shared layers whole), so a removed call's outputs are dropped and recomputed
@@ -87,7 +89,7 @@ class Episode:
     def valid_actions(self) -> list[int]:
         """The actions valid at the node under execution."""
         c = self.current
-        return [NOTHING] + ([SWAP] if self.view.can_swap[c] else []) + \
+        return [NOTHING] + ([SWAP] if self.view.swappable(self.decisions)[c] else []) + \
             ([REMOVE] if self.view.can_remove[c] else [])
 
     def features(self, action: int = NOTHING) -> np.ndarray:

@@ -18,7 +18,11 @@ different sizes and costs look alike to the network:
    outputs, over the length of the step's schedule (0 when never read again);
 4. action type: 0 nothing (or not decided yet), 0.5 swap-out, 1 remove
    (recompute);
-5. valid: 1 when an action can still be taken at the node.
+5. valid: 1 when an action can still be taken at the node: it can be
+   removed, or its outputs can be swapped out and still fit in the host
+   memory left under the host budget (what the calls swapped out so far hold
+   at once: every offloaded tensor is on the host at the turn from forward to
+   backward, so their sum is the simulator's host peak, or above it).
 
 Edges (Sec. 4.2): consecutive calls and producer-consumer pairs, both ways,
 plus a self-loop on every node (N(v) contains v), weighted by the time lag
@@ -72,6 +76,7 @@ class GraphView:
         can_remove: `(n,)` whether a node can be recomputed.
         offloads: For each node that can be swapped, the Offloads of its
             outputs with their prefetch triggers (found without segments).
+        swap_bytes: `(n,)` bytes a swap-out of each node puts on the host.
         src: Source node of each edge, edges sorted by destination.
         dst: Destination node of each edge (sorted).
         weight: Weight of each edge.
@@ -81,6 +86,8 @@ class GraphView:
         bandwidth_gbps: Copy bandwidth the features were computed for.
         device_flops: Device rate the features were computed for.
         min_bytes: Smallest tensor offered for offload.
+        host_budget_bytes: Host memory the swapped-out outputs may hold at
+            once (None: no limit).
     """
 
     graph: PlanGraph
@@ -88,6 +95,7 @@ class GraphView:
     can_swap: np.ndarray
     can_remove: np.ndarray
     offloads: dict[int, list[Offload]]
+    swap_bytes: np.ndarray
     src: np.ndarray
     dst: np.ndarray
     weight: np.ndarray
@@ -97,10 +105,19 @@ class GraphView:
     bandwidth_gbps: float
     device_flops: float
     min_bytes: int
+    host_budget_bytes: int | None = None
 
     @property
     def size(self) -> int:
         return len(self.graph)
+
+    def swappable(self, decisions: np.ndarray) -> np.ndarray:
+        """`(n,)` whether each node's outputs can be swapped out after
+        `decisions`: offload candidates whose bytes fit in the host memory left."""
+        if self.host_budget_bytes is None:
+            return self.can_swap
+        left = self.host_budget_bytes - int(self.swap_bytes[decisions == SWAP].sum())
+        return self.can_swap & (self.swap_bytes <= left)
 
     def features(self, decisions: np.ndarray, current: int | None,
                  action: int = NOTHING) -> np.ndarray:
@@ -119,7 +136,7 @@ class GraphView:
         x = np.empty((self.size, NUM_FEATURES), dtype=np.float32)
         x[:, :4] = self.static
         x[:, 4] = ACTION_CODES[decisions]
-        actionable = self.can_swap | self.can_remove
+        actionable = self.swappable(decisions) | self.can_remove
         later = np.zeros(self.size, dtype=bool)
         if current is not None:
             later[current:] = True
@@ -129,7 +146,8 @@ class GraphView:
 
 
 def describe(graph: PlanGraph, *, bandwidth_gbps: float = BANDWIDTH_GBPS,
-             device_flops: float = DEVICE_FLOPS, min_bytes: int = MIN_BYTES) -> GraphView:
+             device_flops: float = DEVICE_FLOPS, min_bytes: int = MIN_BYTES,
+             host_budget_bytes: int | None = None) -> GraphView:
     """Computes the static features, the valid actions and the edges of `graph`.
 
     Args:
@@ -137,6 +155,8 @@ def describe(graph: PlanGraph, *, bandwidth_gbps: float = BANDWIDTH_GBPS,
         bandwidth_gbps: Bandwidth of each copy stream in GB/s.
         device_flops: FLOP/s of the device, for calls without measured times.
         min_bytes: Smallest tensor offered for offload.
+        host_budget_bytes: Host memory the swapped-out outputs may hold at
+            once (None: no limit).
 
     Returns:
         The `GraphView`.
@@ -170,14 +190,19 @@ def describe(graph: PlanGraph, *, bandwidth_gbps: float = BANDWIDTH_GBPS,
             static[i, 3] = (first - step) / len(schedule.labels)
     base = Plan.from_segments(graph, [], planner="none")
     offloads: dict[int, list[Offload]] = {}
+    tensor_bytes: dict[str, int] = {}
     for cand in offload_candidates(schedule, base, min_bytes, PREFETCH_SLACK, bandwidth):
         node = graph.index(cand.ref.rsplit(":", 1)[0])
         chosen = offloads.setdefault(node, [])
         # Options come latest trigger first: the last one seen is the earliest.
         chosen[:] = [o for o in chosen if o.tensor != cand.ref]
         chosen.append(Offload(cand.ref, cand.trigger))
+        tensor_bytes[cand.ref] = cand.nbytes
     can_swap = np.zeros(n, dtype=bool)
     can_swap[list(offloads)] = True
+    swap_bytes = np.zeros(n, dtype=np.int64)
+    for node, chosen in offloads.items():
+        swap_bytes[node] = sum(tensor_bytes[o.tensor] for o in chosen)
     can_remove = real & (sizes > 0)
     pairs = {(i, i) for i in range(n)}
     pairs |= {(i, i + 1) for i in range(n - 1)} | {(i + 1, i) for i in range(n - 1)}
@@ -192,7 +217,8 @@ def describe(graph: PlanGraph, *, bandwidth_gbps: float = BANDWIDTH_GBPS,
     src_order = np.argsort(src, kind="stable")
     return GraphView(
         graph=graph, static=static, can_swap=can_swap, can_remove=can_remove,
-        offloads=offloads, src=src, dst=dst, weight=weight,
+        offloads=offloads, swap_bytes=swap_bytes, src=src, dst=dst, weight=weight,
         dst_starts=np.searchsorted(dst, np.arange(n)),
         src_order=src_order, src_starts=np.searchsorted(src[src_order], np.arange(n)),
-        bandwidth_gbps=bandwidth_gbps, device_flops=device_flops, min_bytes=min_bytes)
+        bandwidth_gbps=bandwidth_gbps, device_flops=device_flops, min_bytes=min_bytes,
+        host_budget_bytes=host_budget_bytes)
