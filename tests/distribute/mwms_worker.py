@@ -109,6 +109,10 @@ def main() -> None:
             "batch_shape": graph.metadata["batch_shape"],
             "fingerprint": graph.fingerprint(), "plan_fingerprint": plan.graph_fingerprint,
             "segments": [s.nodes for s in plan.segments],
+            "replicas": graph.metadata["replicas"],
+            "all_reduce_bytes": graph.persistent_bytes.get("all_reduce", 0),
+            "gradient_bytes": sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+                                  for v in model.trainable_weights),
             "budget_mb": budget_mb, "predicted_plain_mb": tfremat.simulate(graph).peak_mb,
             "predicted_mb": plan.estimates.peak_mb,
             "planned_peak_mb": planned_peak, "plain_peak_mb": plain_peak,

@@ -132,3 +132,14 @@ def test_timeline_covers_forward_backward_and_update():
 def test_unknown_sharing_mode_is_an_error():
     with pytest.raises(ValueError, match="Unknown sharing mode"):
         simulate(chain(2), sharing="magic")
+
+
+def test_a_multi_replica_step_keeps_every_weight_gradient_until_the_update():
+    # With one replica a weight gradient is freed GRADIENT_LIFETIME_STEPS (24)
+    # backward steps after it is made; a step traced through a strategy with
+    # several replicas all-reduces one pack concatenating all 40 of them.
+    one = chain(40)
+    several = chain(40)
+    several.metadata["replicas"] = 2
+    at_update = [dict(simulate(g).timeline)["optimizer update"] for g in (one, several)]
+    assert at_update[1] - at_update[0] == (40 - 24) * 1024

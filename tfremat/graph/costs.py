@@ -40,6 +40,9 @@ ELEMENTWISE_OPS = frozenset({
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 
+# Cross-replica all-reduces of gradients (one per pack of concatenated gradients).
+ALL_REDUCE_OPS = frozenset({"CollectiveReduce", "CollectiveReduceV2", "NcclAllReduce"})
+
 # TensorList writes in a loop body, and the input that is the element written.
 _LIST_WRITES = {"TensorListPushBack": 1, "TensorListSetItem": 2}
 

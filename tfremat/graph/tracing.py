@@ -40,6 +40,8 @@ class TracedStep:
         backward_end: Index of the first op after `tape.gradient` (the update).
         input_specs: Specs of `(x, y)` the step was traced with.
         seconds: Time the trace took.
+        replicas: `num_replicas_in_sync` of the `tf.distribute` strategy the
+            step was traced through (1 outside a strategy's scope).
     """
 
     ops: list[tf.Operation]
@@ -52,6 +54,7 @@ class TracedStep:
     backward_end: int
     input_specs: Any
     seconds: float
+    replicas: int = 1
 
 
 def batch_specs(model: keras.Model, *, batch_size: int | None = None,
@@ -328,6 +331,8 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
             ops_of[id(s.operation)] = s.operation
     step = step_function(model)
     trace_step = _in_replica_context(step)
+    replicas = (tf.distribute.get_strategy().num_replicas_in_sync
+                if tf.distribute.in_cross_replica_context() else 1)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     error: Exception | None = None
     recorder = _Recorder(sites_by_op, ops_of)
@@ -377,7 +382,8 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     return TracedStep(
         ops=ops, sites=sites, ranges=ranges, call_outputs=call_outputs,
         output_refs=output_refs, forward_end=previous_end, backward_start=grad_start,
-        backward_end=grad_end, input_specs=(x_spec, y), seconds=seconds)
+        backward_end=grad_end, input_specs=(x_spec, y), seconds=seconds,
+        replicas=replicas)
 
 
 def _in_replica_context(step: Any) -> Any:

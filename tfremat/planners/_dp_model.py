@@ -12,7 +12,8 @@ with M_v the call's output bytes plus its internal saved bytes. W(V_i) goes
 beyond the paper, whose memory holds activations only: it is the bytes of
 weight gradients alive when the backward pass enters V_i (at its last node in
 topological order), as the simulator keeps them (the last
-`GRADIENT_LIFETIME_STEPS` gradients made). Near the output of a ResNet they
+`GRADIENT_LIFETIME_STEPS` gradients made; all of them under a multi-replica
+strategy, `gradient_lifetime`). Near the output of a ResNet they
 reach 57 MiB (ResNet50 at batch 16), and without them the DP spreads its
 budget evenly while the simulator's peak sits at the last stage. Eq. (1)
 is adapted to how tfremat recomputes (one recompute segment per block):
@@ -28,7 +29,7 @@ from typing import Sequence
 
 from tfremat.core import PlanGraph, split_ref
 from tfremat.planners.toolkit import activation_bytes
-from tfremat.simulation import GRADIENT_LIFETIME_STEPS, requires_grad
+from tfremat.simulation import gradient_lifetime, requires_grad
 
 
 class BitSum:
@@ -196,16 +197,18 @@ def weight_gradients_alive(graph: PlanGraph, ids: list[str]) -> list[int]:
 
     Mirrors the simulator without recomputation: calls are back-propagated in
     reverse order, and each keeps the gradients of the last
-    `GRADIENT_LIFETIME_STEPS` calls with weights, plus those it releases.
+    `gradient_lifetime(graph)` calls with weights (all of them when None),
+    plus those it releases.
     """
     needs_grad = requires_grad(graph)
+    lifetime = gradient_lifetime(graph)
     alive: list[int] = []
     at: dict[str, int] = {}
     for node in reversed(graph.nodes):
         if not needs_grad[node.id]:
             continue
         released = 0
-        while len(alive) >= GRADIENT_LIFETIME_STEPS:
+        while lifetime is not None and len(alive) >= lifetime:
             released += alive.pop(0)
         if node.param_bytes:
             alive.append(node.param_bytes)

@@ -8,10 +8,11 @@ contracted (`units`), and the weight-gradient lifetime.
 """
 
 from tfremat.simulation.schedule import (GRADIENT_LIFETIME_STEPS, Lifetime, Schedule,
-                                       build_schedule, requires_grad, units)
+                                       build_schedule, gradient_lifetime, requires_grad,
+                                       units)
 from tfremat.simulation.simulator import SHARING_MODES, Estimate, simulate
 from tfremat.simulation.transfers import BANDWIDTH_GBPS, DEVICE_FLOPS, node_seconds
 
 __all__ = ["BANDWIDTH_GBPS", "DEVICE_FLOPS", "GRADIENT_LIFETIME_STEPS", "SHARING_MODES",
-           "Estimate", "Lifetime", "Schedule", "build_schedule", "node_seconds",
-           "requires_grad", "simulate", "units"]
+           "Estimate", "Lifetime", "Schedule", "build_schedule", "gradient_lifetime",
+           "node_seconds", "requires_grad", "simulate", "units"]

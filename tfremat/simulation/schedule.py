@@ -38,6 +38,18 @@ _Unit = Union[Node, Segment]
 GRADIENT_LIFETIME_STEPS = 24
 
 
+def gradient_lifetime(graph: PlanGraph) -> int | None:
+    """Backward steps a weight gradient of `graph`'s step outlives the step that
+    makes it (`GRADIENT_LIFETIME_STEPS`), or None when every gradient lives
+    until the optimizer update.
+
+    A step traced through a strategy with several replicas
+    (`graph.metadata["replicas"]`) all-reduces its gradients as one pack that
+    concatenates all of them, so none is freed before the update.
+    """
+    return None if graph.metadata.get("replicas", 1) > 1 else GRADIENT_LIFETIME_STEPS
+
+
 @dataclasses.dataclass(frozen=True)
 class Lifetime:
     """When the forward pass's buffer of one tensor is made and read.
@@ -75,6 +87,7 @@ class Schedule:
             unit (seconds when measured, FLOPs otherwise).
         extra_flops: FLOPs of the recomputed forward calls.
         requires_grad: Whether a gradient flows into each node.
+        gradient_lifetime: `gradient_lifetime(graph)`.
         update_in_backward: Whether optimizer updates run inside the backward
             pass.
     """
@@ -101,6 +114,7 @@ class Schedule:
         self.extra_compute = 0.0
         self.extra_flops = 0.0
         self.requires_grad = requires_grad(graph)
+        self.gradient_lifetime = gradient_lifetime(graph)
         self.top = _Context(None)
         self._segment_units: dict[int, list[_Unit]] = {}
         self.update_in_backward = update_in_backward
@@ -296,7 +310,8 @@ class Schedule:
                 self._alloc(key, t.bytes, step)
                 parts.append(key)
         # The optimizer's update frees a weight gradient some steps after it is made.
-        while len(self.weight_grads) >= GRADIENT_LIFETIME_STEPS:
+        while (self.gradient_lifetime is not None
+               and len(self.weight_grads) >= self.gradient_lifetime):
             self._use(self.weight_grads.pop(0), step)
         if node.param_bytes:
             key = ("wgrad", node.id)
