@@ -34,6 +34,19 @@ RANDOM_GRAPHS = {
 }
 
 
+def dqn_plan_or_none(graph, budget: int, **settings):
+    """dqn's plan for `budget`, or None when it refuses the budget and `auto`
+    with the same settings refuses it too (asserted)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return dqn(graph, budget, **settings)
+        except BudgetError:
+            with pytest.raises(BudgetError):
+                make_plan(graph, budget, "auto", **settings)
+            return None
+
+
 @pytest.mark.parametrize("share", [0.5, 0.75])
 @pytest.mark.parametrize("name", sorted(RANDOM_GRAPHS))
 def test_plans_are_valid_and_within_budget_or_autos_with_a_warning(name, share):
@@ -161,14 +174,9 @@ def test_swaps_keep_the_host_peak_within_a_small_host_budget(name):
         assert any(walk.plan.offloaded for walk in walks)
     plain = simulate(graph)
     budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            plan = dqn(graph, budget, host_budget_bytes=host)
-        except BudgetError:
-            with pytest.raises(BudgetError):
-                make_plan(graph, budget, "auto", offload=True, host_budget_bytes=host)
-            return
+    plan = dqn_plan_or_none(graph, budget, offload=True, host_budget_bytes=host)
+    if plan is None:
+        return
     est = simulate(graph, plan)
     assert est.peak_bytes <= budget and est.host_peak_bytes <= host
     assert plan.settings["host_budget_bytes"] == host
@@ -304,14 +312,9 @@ def test_without_offload_plans_are_recompute_only_or_autos_without_offload(name)
     graph = RANDOM_GRAPHS[name]()
     plain = simulate(graph)
     budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            plan = dqn(graph, budget, offload=False)
-        except BudgetError:
-            with pytest.raises(BudgetError):
-                make_plan(graph, budget, "auto", offload=False)
-            return
+    plan = dqn_plan_or_none(graph, budget, offload=False)
+    if plan is None:
+        return
     plan.validate(graph)
     assert not plan.offloaded and plan.settings["offload"] is False
     assert plan.estimates.details["actions"]["swap"] == 0
