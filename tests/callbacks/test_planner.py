@@ -351,16 +351,40 @@ def test_an_unwritable_picture_costs_a_warning_not_the_training(budget_mb, tmp_p
     assert len(hist.history["loss"]) == 2
 
 
-def test_training_with_a_plan_is_bit_identical_to_plain_training(budget_mb):
+#: Segments of `make_model()` whose inputs are no intermediate of a chain of adds:
+#: Grappler's arithmetic optimizer rewrites `shortcut + (x * s + b)` (BatchNorm's
+#: output added to a skip) into `AddN(shortcut, x * s) + b` in the plain step, but
+#: not where `x * s + b` is also kept as a segment's input for its recompute. A plan
+#: cutting there (e.g. a segment from `s0b1_add`) trains within float rounding of
+#: plain training (1.6e-5 after 8 SGD steps), not bit-identically.
+UNCUT_CHAIN_SEGMENTS = (("stem_conv", "s0b0_add"), ("s1b0_conv2", "s1b0_add"))
+
+
+def pin_plan(monkeypatch) -> list[list[str]]:
+    """Makes the Planner's plan the `UNCUT_CHAIN_SEGMENTS` (which trial plan the
+    Planner keeps depends on measured peaks); returns their node ids."""
+    ids = [n.id for n in tfremat.extract(make_model(), batch_size=BATCH, measure_kernels=False)]
+    segments = [ids[ids.index(a):ids.index(b) + 1] for a, b in UNCUT_CHAIN_SEGMENTS]
+
+    def pinned(model, budget, **kwargs):
+        return tfremat.Plan.from_segments(kwargs["graph"], segments, planner="pinned",
+                                          update_in_backward=kwargs["update_in_backward"] is True)
+
+    monkeypatch.setattr(planner_module.api, "plan", pinned)
+    return segments
+
+
+def test_training_with_a_plan_is_bit_identical_to_plain_training(budget_mb, monkeypatch):
     """The first batch is replayed with fit's own element spec, so the train function
     is traced once, as in a plain fit: no other kernels, no other rounding."""
     x, y = data()
     plain = make_model()
     plain.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    segments = pin_plan(monkeypatch)
     model = make_model()
     planner = tfremat.Planner(budget_mb, verbose=0, replan=False)
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[planner])
-    assert not planner.plan.is_empty
+    assert [s.nodes for s in planner.plan.segments] == segments
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
@@ -386,17 +410,20 @@ def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(budget_mb, 
     assert hist.history["peak_memory_mb"][0] > budget_mb
 
 
-def test_training_with_updates_in_backward_is_bit_identical_to_plain_training(budget_mb):
+def test_training_with_updates_in_backward_is_bit_identical_to_plain_training(
+        budget_mb, monkeypatch):
     """The head's update unit hands on the logits cached on its softmax output, so
     the loss is computed from them as in plain training (it drifted by 1.4e-5 in 8
     steps when computed from the probabilities)."""
     x, y = data()
     plain = make_model()
     plain.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    segments = pin_plan(monkeypatch)
     model = make_model()
     planner = tfremat.Planner(budget_mb, verbose=0, replan=False, update_in_backward=True)
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=[planner])
     assert planner.plan.update_in_backward
+    assert [s.nodes for s in planner.plan.segments] == segments
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
