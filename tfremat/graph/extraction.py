@@ -270,10 +270,14 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
 def build_plan_graph(model: keras.Model, traced: TracedStep,
                      kernels: KernelWorkspaces | None = None) -> PlanGraph:
     """Builds the PlanGraph of a traced step (see `extract`); `kernels`, the
-    measured scratch of its kernels, counts in the workspaces."""
+    measured scratch of its kernels, counts in the workspaces, and so do the
+    iterations a loop runs at once (`costs.loop_run_ahead_bytes`)."""
     ops = traced.ops
-    flow = _Dataflow(ops, kernels.bytes_by_op if kernels else {},
-                     kernels.threads if kernels and kernels.concurrent else 1)
+    scratch = dict(kernels.bytes_by_op) if kernels else {}
+    for i, op in enumerate(ops):  # a loop's iterations in flight hold scratch too
+        if op.type in costs.WHILE_OPS:
+            scratch[i] = scratch.get(i, 0) + costs.loop_run_ahead_bytes(op)
+    flow = _Dataflow(ops, scratch, kernels.threads if kernels and kernels.concurrent else 1)
     owner = _owners(traced, flow)
     bwd = range(traced.backward_start, traced.backward_end)
 
