@@ -195,7 +195,7 @@ def _scratch_spans(positions: list[int], local: dict[int, int],
 def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
                          owner: list[str | None]) -> dict[str, int]:
     """For each node, the scratch of an earlier node's kernel that may still be
-    running when its backward starts (only when kernels run side by side,
+    running while its backward runs (only when kernels run side by side,
     `flow.concurrent`).
 
     A backward kernel whose outputs no other node's backward reads (a weight
@@ -204,8 +204,10 @@ def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
     inter-op thread while it runs. With TensorFlow's CPU kernels a 3x3
     `Conv2DBackpropFilter` holds up to 30 MiB of scratch, and two of them at
     once show up in about one step in ten, so an epoch's peak has them. The
-    latest such kernel counts in the backward of every node that starts
-    before the next one.
+    latest such kernel counts in the backward of every node with an op
+    between it and the next one. A node's ops need not be contiguous: the
+    gradient of an activity regularizer runs at the start of the backward
+    pass, long before the rest of its layer's.
     """
     carry: dict[str, int] = {}
     if not flow.concurrent:
@@ -214,8 +216,8 @@ def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
     pending_owner, pending = None, 0
     for i in bwd:
         v = owner[i]
-        if v not in (None, LOSS, UPDATE) and v not in carry:
-            carry[v] = pending if pending_owner != v else 0
+        if v not in (None, LOSS, UPDATE):
+            carry[v] = max(carry.get(v, 0), pending if pending_owner != v else 0)
         readers = [c for j in range(len(flow.ops[i].outputs))
                    for c in flow.readers[flow.root[(i, j)]]]
         if flow.scratch.get(i) and readers and all(
