@@ -132,8 +132,11 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     Raises:
         TypeError, ValueError: a bad budget, planner, objective or offload.
         BudgetError: the budget is below the smallest feasible one; the message
-            and `.min_budget_mb` say what that minimum is (with `measure`, the
-            lowest measured peak plus 5% when no measured plan fits).
+            and `.min_budget_mb` say what that minimum is. With `measure`, it is
+            the lowest measured peak plus 5% when no measured plan fits; also
+            when the prediction says no plan fits, the plan of lowest predicted
+            peak is measured first: returned if it fits after all, its measured
+            peak plus 5% stated as the minimum if not.
 
     Example:
 
@@ -162,14 +165,20 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             made.update_note = note
             return made
 
-        result = make(int(budget_mb * MIB))
-        if measure:
-            try:
-                result = measured_choice(model, result, make, batch_size=batch_size,
-                                         sample=sample, max_trials=max_trials)
-            except BudgetError as e:
-                e.measured_plan.graph = graph
+        try:
+            result = make(int(budget_mb * MIB))
+        except BudgetError as e:
+            if not measure:
                 raise
+            result = measured_floor(model, e, make, batch_size=batch_size, sample=sample)
+        else:
+            if measure:
+                try:
+                    result = measured_choice(model, result, make, batch_size=batch_size,
+                                             sample=sample, max_trials=max_trials)
+                except BudgetError as e:
+                    e.measured_plan.graph = graph
+                    raise
     result = chief_plan(result, graph)
     result.graph = graph
     return result
@@ -257,6 +266,47 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         error.measured_plan = chosen
         raise error
     return chosen
+
+
+def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., Plan], *,
+                   batch_size: int | None = None, sample: Any = None) -> Plan:
+    """Measures the plan of lowest predicted peak when its prediction is over budget.
+
+    A predicted minimum is only as good as the prediction: a second run at a
+    stated minimum must meet it, so with `measure=True` the minimum stated is
+    measured too.
+
+    Args:
+        model: The compiled model.
+        error: The planner's BudgetError for the budget (the prediction).
+        make: `make(budget_bytes, objective=...)` plans for another budget.
+        batch_size: Batch size, when shapes come from `model.inputs`.
+        sample: One batch `(x, y)` or a `tf.data.Dataset`.
+
+    Returns:
+        That plan, when it measures within the budget after all (its
+        estimate details hold `"trials"`, as `measured_choice`'s).
+
+    Raises:
+        BudgetError: it measures over the budget; the minimum stated is its
+            measured peak plus `MEASURED_SPREAD` (`error` itself when no plan
+            of that peak can be made). Raised without a `measured_plan`: the
+            budget is out of reach by prediction and measurement alike.
+    """
+    try:
+        lowest = make(error.min_budget_bytes, objective="memory")
+    except BudgetError:
+        raise error from None
+    lowest.budget_bytes = error.budget_bytes
+    try:  # one trial, of `lowest` (every other budget would plan it again)
+        return measured_choice(model, lowest, lambda *_, **__: lowest,
+                               batch_size=batch_size, sample=sample, max_trials=1)
+    except BudgetError as measured:
+        raise BudgetError(
+            error.budget_bytes, measured.min_budget_bytes, error.planner,
+            f"{error.detail} The plan of lowest predicted peak "
+            f"({error.min_budget_bytes / MIB:.1f} MiB) was measured: {measured.detail}"
+        ) from None
 
 
 def _candidates(first: Plan, make: Callable[..., Plan]) -> list[Plan]:

@@ -493,15 +493,16 @@ class Planner(keras.callbacks.Callback):
                                f"{self.budget_mb:.1f} MiB: re-planning for {target:.1f} MiB.")
         try:
             plan = self._plan(target, sample=self._sample)
-        except BudgetError as e:
-            # Best effort: the lowest plan, at the minimum the planner itself stated
-            # (another objective's minimum may be out of its reach), measured too.
-            plan = self._plan(e.min_budget_mb, sample=self._sample)
+        except BudgetError:
+            # Best effort: the plan of lowest predicted peak, measured too. (The
+            # error's minimum is measured: planning at it may rewrite nothing.)
+            floor_mb = self._predicted_floor_mb()
+            plan = self._plan(floor_mb, sample=self._sample)
             warnings.warn(
                 f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
                 f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "
                 f"predicted at {target:.1f} MiB, but the lowest reachable prediction is "
-                f"{e.min_budget_mb:.1f} MiB: re-planned with that; the budget may still be "
+                f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
                 "exceeded. Lower the batch size or raise the budget.",
                 RuntimeWarning, stacklevel=2)
         if _same_rewrite(plan, self.plan):
@@ -514,6 +515,15 @@ class Planner(keras.callbacks.Callback):
             return
         self.replans += 1
         self._install(plan)
+
+
+    def _predicted_floor_mb(self) -> float:
+        """The lowest peak the planner predicts for a plan: the minimum it states
+        (another objective's minimum may be out of its reach), unmeasured."""
+        try:
+            return self._plan(1 / MIB).peak_bytes / MIB  # a budget of one byte
+        except BudgetError as e:
+            return e.min_budget_mb
 
 
 def _same_rewrite(a: Plan, b: Plan | None) -> bool:
