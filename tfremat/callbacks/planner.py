@@ -516,7 +516,6 @@ class Planner(keras.callbacks.Callback):
         self.replans += 1
         self._install(plan)
 
-
     def _predicted_floor_mb(self) -> float:
         """The lowest peak the planner predicts for a plan: the minimum it states
         (another objective's minimum may be out of its reach), unmeasured."""
