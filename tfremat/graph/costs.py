@@ -109,9 +109,7 @@ def _list_bytes(op: tf.Operation, j: int) -> int:
     body = _body(op)
     if body is None:
         return 0
-    write = body.outputs[j].op
-    while write.type in ALIAS_OPS and write.inputs:
-        write = write.inputs[0].op
+    write = _unaliased(body.outputs[j]).op
     if write.type not in _LIST_WRITES:
         return 0
     element = write.inputs[_LIST_WRITES[write.type]]
