@@ -389,10 +389,15 @@ def test_training_with_a_plan_is_bit_identical_to_plain_training(budget_mb, monk
         np.testing.assert_array_equal(a, b)
 
 
-def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(budget_mb, monkeypatch):
+def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(monkeypatch):
     """A re-plan resets the allocator's statistics; the epoch's peak still counts the
     steps run before it (here the only step, run unplanned and over budget)."""
     x, y = data(1)
+    # Half the plain step's measured peak: the unplanned step is over it however a
+    # loaded CPU runs its kernels (with another process training, the plain step once
+    # measured under a budget midway between the lowest plan and plain), and what the
+    # allocator holds right after the reset is under it.
+    budget_mb = plain_fit_peak(*data()) / 2
     real_plan = planner_module.api.plan
     calls = []
 
@@ -404,10 +409,13 @@ def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(budget_mb, 
 
     monkeypatch.setattr(planner_module.api, "plan", optimistic_then_real)
     planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
-    hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
-                            callbacks=[planner])
-    assert planner.replans >= 1
-    assert hist.history["peak_memory_mb"][0] > budget_mb
+    with pytest.warns(RuntimeWarning, match="exceeds the budget"):
+        hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                                callbacks=[planner])
+    # Epoch 0 ran the step that installs the plan (not judged), epoch 1 the step
+    # judged over budget, after which the Planner re-planned and reset the statistics.
+    assert planner.replans == 1
+    assert all(p > budget_mb for p in hist.history["peak_memory_mb"]), hist.history
 
 
 def test_training_with_updates_in_backward_is_bit_identical_to_plain_training(
