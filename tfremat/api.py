@@ -18,9 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph
-from tfremat.graph import extract
+from tfremat.graph import extract, is_subclassed
 from tfremat.planners import OBJECTIVES, PLANNERS, make_plan, progress
-from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model
+from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model, warn_unpinned
 
 logger = logging.getLogger("tfremat")
 
@@ -42,9 +42,9 @@ def check_budget_mb(budget_mb: Any, name: str = "budget_mb") -> float:
 
 
 def check_planner(planner: str, objective: str, offload: bool | str = "auto",
-                  update_in_backward: bool | str = False) -> None:
-    """Raises ValueError for an unknown planner, objective, offload or
-    update_in_backward setting."""
+                  update_in_backward: bool | str = False, pin_order: bool = False) -> None:
+    """Raises ValueError for an unknown planner, objective, offload,
+    update_in_backward or pin_order setting."""
     if planner != "auto" and planner not in PLANNERS:
         raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
                          f"{sorted(PLANNERS)}.")
@@ -55,6 +55,8 @@ def check_planner(planner: str, objective: str, offload: bool | str = "auto",
     if update_in_backward not in (True, False, "auto"):
         raise ValueError("update_in_backward must be True, False or 'auto', got "
                          f"{update_in_backward!r}.")
+    if not isinstance(pin_order, bool):
+        raise ValueError(f"pin_order must be True or False, got {pin_order!r}.")
 
 
 def deprecated_strategy(strategy: str | None, objective: str) -> str:
@@ -72,7 +74,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None, measure: bool = False, max_trials: int = 3,
          strategy: str | None = None, update_in_backward: bool | str = False,
-         **settings: Any) -> Plan:
+         pin_order: bool = False, **settings: Any) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
     Args:
@@ -116,6 +118,12 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             `LossScaleOptimizer`, gradient accumulation, a custom
             `train_step`, a `tf.distribute` strategy) the plan says why in
             `update_note` and updates after the backward pass.
+        pin_order: Pin the backward pass to the simulator's order
+            (`Plan.pin_order`): each layer's weight gradients before the next
+            layer's backward. Peaks stop depending on which ready kernel
+            TensorFlow's executor picks (docs/how-it-works.md, "Pinning the
+            order"). Functional and Sequential models (a subclassed model
+            gets a warning and an unpinned plan).
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.
 
@@ -145,7 +153,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     """
     objective = deprecated_strategy(strategy, objective)
     budget_mb = check_budget_mb(budget_mb)
-    check_planner(planner, objective, offload, update_in_backward)
+    check_planner(planner, objective, offload, update_in_backward, pin_order)
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     if planner in ("auto", "dqn"):
@@ -157,12 +165,16 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             if traced:
                 traced(1)
         updates, note = choose_updates(model, graph, int(budget_mb * MIB), update_in_backward)
+        if pin_order and is_subclassed(model):
+            warn_unpinned(model)
+            pin_order = False
 
         def make(budget_bytes: int, objective: str = objective) -> Plan:
             made = make_plan(graph, budget_bytes, planner=planner, objective=objective,
                              time_limit=time_limit, verbose=verbose,
                              update_in_backward=updates, **settings)
             made.update_note = note
+            made.pin_order = pin_order
             return made
 
         try:
@@ -386,7 +398,7 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             sample: Any = None, planner: str = "auto", objective: str = "time",
             compute_device: str | None = None, host_device: str | None = None,
             strategy: str | None = None,
-            update_in_backward: bool | str = False) -> keras.Model:
+            update_in_backward: bool | str = False, pin_order: bool = False) -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 
     Either pass a `Plan`, or a `budget_mb` (with `batch_size` or `sample`) to plan
@@ -406,6 +418,7 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         strategy: Deprecated name of `objective`.
         update_in_backward: For planning (see `tfremat.plan`). The rewritten
             model then updates with the optimizer it is compiled with.
+        pin_order: For planning (see `tfremat.plan`).
 
     Returns:
         The rewritten model, or `model` itself when the plan is empty (the
@@ -422,7 +435,7 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             raise ValueError("Pass a Plan, or budget_mb=... to plan first.")
         plan_or_none = plan(model, budget_mb, batch_size=batch_size, sample=sample,
                             planner=planner, objective=objective,
-                            update_in_backward=update_in_backward)
+                            update_in_backward=update_in_backward, pin_order=pin_order)
     elif not isinstance(plan_or_none, Plan):
         raise TypeError(f"rewrite takes a tfremat.Plan, not {type(plan_or_none).__name__}.")
     if plan_or_none.is_empty:

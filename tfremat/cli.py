@@ -114,7 +114,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         graph = tfremat.extract(model, batch_size=args.batch_size)
     plan = tfremat.plan(model, args.budget_mb, graph=graph, planner=args.planner,
                         objective=args.objective, verbose=1,
-                        update_in_backward=args.update_in_backward)
+                        update_in_backward=args.update_in_backward,
+                        pin_order=args.pin_order)
     console.print(summary(graph, plan), highlight=False)
     if args.export:
         written = write_picture(plan, args.export, graph=graph)
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                     action="store_const", const="auto", default=False,
                     help="run optimizer updates inside the backward pass when that lowers "
                          "the peak (experimental; off by default)")
+    pl.add_argument("--pin-order", dest="pin_order", action="store_true",
+                    help="run the backward pass in the planned order (steadier peaks; off "
+                         "by default)")
     pl.add_argument("--measure", action="store_true",
                     help="rewrite the model and measure its peak")
     pl.set_defaults(func=cmd_plan)

@@ -249,10 +249,14 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
 
 
 def _updates_line(plan: Plan) -> str:
-    """Where the plan's optimizer updates run, and why not earlier if not."""
+    """Where the plan's optimizer updates run, and why not earlier if not, and
+    whether the backward pass's order is pinned."""
     if plan.update_in_backward:
         return "in the backward pass (weight gradients freed as they are used)"
-    return "after the backward pass" + (f" ({plan.update_note})" if plan.update_note else "")
+    line = "after the backward pass" + (f" ({plan.update_note})" if plan.update_note else "")
+    if plan.pin_order:
+        line += "; backward order pinned (each unit's weight gradients first)"
+    return line
 
 
 # `Plan.summary()` and `Plan.to_pydot()` draw with this module.

@@ -93,6 +93,9 @@ class Planner(keras.callbacks.Callback):
             (see `tfremat.plan`; experimental): False (the default), True or
             `"auto"` (under a binding budget, when the optimizer allows it). The plan summary says
             whether it does, and why not.
+        pin_order: Pin the backward pass to the simulator's order (see
+            `tfremat.plan`): steadier peaks on some models, not on others;
+            step time 0.86x to 1.08x on CPU (docs/how-it-works.md).
 
     Attributes:
         plan: The plan applied (None before the first step).
@@ -120,7 +123,7 @@ class Planner(keras.callbacks.Callback):
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
                  replan: bool = True, max_replans: int = 2, measure: bool = True,
                  max_trials: int = 3, strategy: str | None = None,
-                 update_in_backward: bool | str = False) -> None:
+                 update_in_backward: bool | str = False, pin_order: bool = False) -> None:
         super().__init__()
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Keras's fit fails before any callback runs (in its symbolic build),
@@ -133,7 +136,7 @@ class Planner(keras.callbacks.Callback):
                 "examples/multi_worker.py does.")
         objective = api.deprecated_strategy(strategy, objective)
         self.budget_mb = api.check_budget_mb(budget_mb)
-        api.check_planner(planner, objective, offload, update_in_backward)
+        api.check_planner(planner, objective, offload, update_in_backward, pin_order)
         self.planner = planner
         self.objective = objective
         self.offload = offload
@@ -149,6 +152,7 @@ class Planner(keras.callbacks.Callback):
         self.measure = measure
         self.max_trials = max_trials
         self.update_in_backward = update_in_backward
+        self.pin_order = pin_order
         self.device = device_name()
         self._reset()
 
@@ -343,7 +347,8 @@ class Planner(keras.callbacks.Callback):
                             objective=self.objective, offload=self.offload,
                             verbose=self.verbose, sample=sample if measure else None,
                             measure=measure, max_trials=self.max_trials,
-                            update_in_backward=self.update_in_backward)
+                            update_in_backward=self.update_in_backward,
+                            pin_order=self.pin_order)
 
         try:
             return plan(measure)
@@ -526,10 +531,10 @@ class Planner(keras.callbacks.Callback):
 
 
 def _same_rewrite(a: Plan, b: Plan | None) -> bool:
-    """Whether two plans rewrite the step alike (the same segments, offloads and
-    placement of the updates), whatever their budgets and estimates."""
-    return b is not None and (a.segments, a.offloaded, a.update_in_backward) == (
-        b.segments, b.offloaded, b.update_in_backward)
+    """Whether two plans rewrite the step alike (the same segments, offloads,
+    placement of the updates and order), whatever their budgets and estimates."""
+    return b is not None and (a.segments, a.offloaded, a.update_in_backward, a.pin_order) == (
+        b.segments, b.offloaded, b.update_in_backward, b.pin_order)
 
 
 def _static_batch(iterator: Any) -> bool:

@@ -187,6 +187,13 @@ class Plan:
             on (see docs/updates-in-backward.md).
         update_note: Why updates do not run in the backward pass when they
             were asked for or considered (e.g. `global_clipnorm`), or "".
+        pin_order: Whether the backward pass is pinned to the simulator's
+            order: the backward of each layer call with weights (or of each
+            segment) hands its input gradients on only once its weight
+            gradients are complete, so the next one's kernels cannot run
+            beside them (see docs/how-it-works.md, "Pinning the order").
+            Implied by `update_in_backward` while the updates run. Predicted
+            as the unpinned step (pinned steps measured both lower and higher).
         graph: The PlanGraph planned for, when known (set by `tfremat.plan`;
             not serialised: a plan read from JSON has none).
 
@@ -209,6 +216,7 @@ class Plan:
     estimates: PlanEstimate | None = None
     update_in_backward: bool = False
     update_note: str = ""
+    pin_order: bool = False
     graph: PlanGraph | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -226,9 +234,10 @@ class Plan:
 
     @property
     def is_empty(self) -> bool:
-        """Whether the plan changes nothing: no segments, offloads or updates
-        in the backward pass."""
-        return not self.segments and not self.offloaded and not self.update_in_backward
+        """Whether the plan changes nothing: no segments, offloads, updates
+        in the backward pass or pinned order."""
+        return not (self.segments or self.offloaded or self.update_in_backward
+                    or self.pin_order)
 
     @property
     def peak_bytes(self) -> int:
@@ -332,6 +341,7 @@ class Plan:
             "estimates": self.estimates.to_dict() if self.estimates else {},
             "update_in_backward": self.update_in_backward,
             "update_note": self.update_note,
+            "pin_order": self.pin_order,
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *,
@@ -366,6 +376,7 @@ class Plan:
                 estimates=PlanEstimate.from_dict(estimates) if estimates else None,
                 update_in_backward=bool(data.get("update_in_backward", False)),
                 update_note=str(data.get("update_note", "")),
+                pin_order=bool(data.get("pin_order", False)),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise PlanValidationError(f"The plan's segments or offloads are malformed "

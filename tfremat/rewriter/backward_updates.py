@@ -334,6 +334,32 @@ class BackwardUpdates:
         self._done = weakref.WeakKeyDictionary()
 
 
+class BackwardOrder(BackwardUpdates):
+    """Pins the backward pass to the simulator's order, updating nothing.
+
+    Shared like `BackwardUpdates` by the units of a rewritten model
+    (`Plan.pin_order`): each unit's gradient function hands its input
+    gradients on only once its weight gradients are complete. The executor
+    then cannot start the next unit's backward beside a weight-gradient
+    kernel (on CPU, a 3x3 `Conv2DBackpropFilter` holds ~3x its input in
+    scratch), so the step's peak stops depending on which ready kernel a
+    thread picks. The optimizer's `apply` runs after the backward pass as
+    usual.
+    """
+
+    def after_grads(self, input_grads: list[Any], variables: list[Any],
+                    var_grads: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The input gradients, each waiting for the unit's weight gradients;
+        the weight gradients unchanged."""
+        waits = [g.values if isinstance(g, tf.IndexedSlices) else g
+                 for g in var_grads if g is not None]
+        if not waits:
+            return input_grads, var_grads
+        with tf.control_dependencies(waits):
+            input_grads = [None if g is None else tf.identity(g) for g in input_grads]
+        return input_grads, list(var_grads)
+
+
 def _finish_step(optimizer: Any) -> None:
     """What `apply` does once per step when every gradient was applied in the
     backward pass: EMA (as `_backend_apply_gradients`), then `iterations`."""

@@ -22,7 +22,7 @@ import keras
 
 from tfremat.core import Plan
 from tfremat.memory import measure_peak
-from tfremat.rewriter.backward_updates import BackwardUpdates
+from tfremat.rewriter.backward_updates import BackwardOrder, BackwardUpdates
 from tfremat.rewriter.rewriting import rewrite_model
 
 
@@ -51,8 +51,10 @@ class PlanInstallation:
         self.plan = plan
         self.jit_compile = jit_compile
         # With updates in the backward pass, the units update with the model's
-        # own optimizer, whose `apply` they patch until `restore()`.
-        self._updates = BackwardUpdates() if plan.update_in_backward else None
+        # own optimizer, whose `apply` they patch until `restore()`; with a
+        # pinned order, they only order the backward pass.
+        self._updates = (BackwardUpdates() if plan.update_in_backward
+                         else BackwardOrder() if plan.pin_order else None)
         if self._updates is not None:
             self._updates.bind(model)
         # Rewriting first: if it fails, nothing of the model was touched.

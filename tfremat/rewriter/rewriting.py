@@ -12,7 +12,7 @@ import tensorflow as tf
 from tfremat.core import (Plan, PlanValidationError, TfrematError, UnsupportedModelError,
                           validate_plan)
 from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
-from tfremat.rewriter.backward_updates import BackwardUpdates
+from tfremat.rewriter.backward_updates import BackwardOrder, BackwardUpdates
 from tfremat.rewriter.functional import OffloadSettings, rebuild
 
 
@@ -70,6 +70,11 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     plain training; the weights updated in the backward pass get no gradient
     from `tape.gradient`.
 
+    A pinned order (`plan.pin_order`, functional and Sequential models) wraps
+    the same units, whose gradient functions then update nothing but hand
+    their input gradients on only once their weight gradients are complete
+    (`BackwardOrder`).
+
     Limits: a tensor recomputed inside its segment, a model output, or any
     tensor of a subclassed model cannot be offloaded (`PlanValidationError`).
     A layer must add the same losses when recomputed as in the forward pass
@@ -92,8 +97,8 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
         sample: Subclassed models only: one input batch, to find the order
             of the sublayer calls when the shapes the model was built with do
             not tell its input (several inputs, integer inputs).
-        updates: With `plan.update_in_backward`, the state the update units
-            share, when the caller binds it to another model (what
+        updates: With `plan.update_in_backward` (or `plan.pin_order`), the
+            state the units share, when the caller binds it to another model (what
             `PlanInstallation` does); by default a new one bound to the
             rewritten model.
 
@@ -135,6 +140,8 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                           "after the backward pass: updates in the backward pass apply "
                           "to functional and Sequential models.", RuntimeWarning,
                           stacklevel=2)
+        elif plan.pin_order:
+            warn_unpinned(model)
         return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
     validate_plan(plan, structure_graph(model))
@@ -142,8 +149,9 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     if plan.offloaded:
         offload = OffloadSettings({o.tensor: o.prefetch_after for o in plan.offloaded},
                                   *_offload_devices(compute_device, host_device))
-    if plan.update_in_backward:
-        updates = updates if updates is not None else BackwardUpdates()
+    if plan.update_in_backward or plan.pin_order:
+        if updates is None:
+            updates = BackwardUpdates() if plan.update_in_backward else BackwardOrder()
         by_id = {s.id: s.operation for s in sites}
         inside = plan.recomputed_nodes()
         updates.set_units([[by_id[n] for n in seg.nodes] for seg in plan.segments]
@@ -160,6 +168,14 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     if updates is not None and updates.model is None:
         updates.bind(rewritten)
     return rewritten
+
+
+def warn_unpinned(model: keras.Model) -> None:
+    """Warns that `model`'s backward pass keeps TensorFlow's own order
+    (`Plan.pin_order` applies to functional and Sequential models)."""
+    warnings.warn(f"tfremat: the backward pass of subclassed model {model.name!r} runs in "
+                  "TensorFlow's own order: pinning the order applies to functional and "
+                  "Sequential models.", RuntimeWarning, stacklevel=3)
 
 
 def _offload_devices(compute_device: str | None,
