@@ -342,9 +342,9 @@ class BackwardOrder(BackwardUpdates):
     gradients on only once its weight gradients are complete. The executor
     then cannot start the next unit's backward beside a weight-gradient
     kernel (on CPU, a 3x3 `Conv2DBackpropFilter` holds ~3x its input in
-    scratch), so the step's peak stops depending on which ready kernel a
-    thread picks. The optimizer's `apply` runs after the backward pass as
-    usual.
+    scratch). On some models that makes the peak steady; on others it rose
+    (docs/how-it-works.md, "Pinning the order"). The optimizer's `apply`
+    runs after the backward pass as usual.
     """
 
     def after_grads(self, input_grads: list[Any], variables: list[Any],
