@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=32)
     demo.add_argument("--steps", type=int, default=8, help="steps per epoch")
     demo.add_argument("--epochs", type=int, default=2)
-    demo.add_argument("--budget-fraction", type=float, default=0.7,
+    demo.add_argument("--budget-fraction", type=float, default=0.75,
                       help="budget as a fraction of the measured plain peak")
     demo.add_argument("--export", default="tfremat_plan.png")
     demo.add_argument("--plot", default="tfremat_memory.png",

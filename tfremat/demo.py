@@ -64,7 +64,7 @@ def _seconds_per_step(model: keras.Model, x: np.ndarray, y: np.ndarray, batch_si
 
 
 def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
-             budget_fraction: float = 0.7, export: str | None = "tfremat_plan.png",
+             budget_fraction: float = 0.75, export: str | None = "tfremat_plan.png",
              plot: str | None = "tfremat_memory.png", verbose: int = 1) -> dict[str, Any]:
     """Trains a ResNet-style model on synthetic data under a budget its plain
     step exceeds, and compares measured peaks and step times.
