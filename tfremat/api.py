@@ -120,10 +120,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             `update_note` and updates after the backward pass.
         pin_order: Pin the backward pass to the simulator's order
             (`Plan.pin_order`): each layer's weight gradients before the next
-            layer's backward. Peaks stop depending on which ready kernel
-            TensorFlow's executor picks (docs/how-it-works.md, "Pinning the
-            order"). Functional and Sequential models (a subclassed model
-            gets a warning and an unpinned plan).
+            layer's backward. Steadier peaks on some models, higher ones on
+            others; predicted as the unpinned step (docs/how-it-works.md,
+            "Pinning the order"). Functional and Sequential models (a
+            subclassed model gets a warning and an unpinned plan).
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.
 
