@@ -21,6 +21,7 @@ from tfremat.core import MIB, BudgetError, Plan, PlanGraph
 from tfremat.graph import extract, is_subclassed
 from tfremat.planners import OBJECTIVES, PLANNERS, make_plan, progress
 from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model, warn_unpinned
+from tfremat.simulation import simulate
 
 logger = logging.getLogger("tfremat")
 
@@ -105,10 +106,14 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             measures over the budget, plans made for lower budgets) on data of
             the batch's shapes, restoring every variable afterwards
             (`tfremat.measure_peak`), and return the plan of least predicted
-            overhead whose measured peak fits. The simulator misses what
-            kernels and the allocator do in ways it cannot see (XLA, cuDNN
-            workspaces, the allocator's rounding); this catches it.
-        max_trials: Most plans measured when `measure` is True.
+            overhead whose measured peak fits with room for its spread (the
+            step without recomputation or offload is measured too when no
+            plan has room, and returned when it measures lower). The
+            simulator misses what kernels and the allocator do in ways it
+            cannot see (XLA, cuDNN workspaces, the allocator's rounding); this
+            catches it.
+        max_trials: Most plans measured when `measure` is True (the step
+            without recomputation aside).
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward
             pass, freeing weight gradients as soon as they are used
@@ -177,17 +182,22 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             made.pin_order = pin_order
             return made
 
+        def bare(like: Plan) -> Plan:
+            return unplanned(graph, like)
+
         try:
             result = make(int(budget_mb * MIB))
         except BudgetError as e:
             if not measure:
                 raise
-            result = measured_floor(model, e, make, batch_size=batch_size, sample=sample)
+            result = measured_floor(model, e, make, batch_size=batch_size, sample=sample,
+                                    unplanned=bare)
         else:
             if measure:
                 try:
                     result = measured_choice(model, result, make, batch_size=batch_size,
-                                             sample=sample, max_trials=max_trials)
+                                             sample=sample, max_trials=max_trials,
+                                             unplanned=bare)
                 except BudgetError as e:
                     e.measured_plan.graph = graph
                     raise
@@ -209,7 +219,8 @@ TRIAL_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5)
 
 def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], *,
                     batch_size: int | None = None, sample: Any = None,
-                    max_trials: int = 3) -> Plan:
+                    max_trials: int = 3,
+                    unplanned: Callable[[Plan], Plan] | None = None) -> Plan:
     """The plan of least predicted overhead whose measured peak fits the budget
     with room for its spread.
 
@@ -222,8 +233,13 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     ratio, fits with room; the plan of lowest predicted peak is the last
     resort. At most `max_trials` plans are measured
     (`PlanInstallation.measure_peak`, which leaves every variable as it was).
-    The first plan tried that fits with room is chosen; when none does, the
-    one of lowest measured peak among those within the budget.
+    When none of them has room, `unplanned(first)` (the step without
+    recomputation or offload) is measured too: recomputation does not lower every measured
+    peak (a recurrent layer re-run in the backward pass saves its loop state
+    again), and a plan must not be trained that measures above no plan.
+    The first plan tried that fits with room is chosen (`unplanned` last);
+    when none does, the one of lowest measured peak among those within the
+    budget.
 
     Args:
         model: The compiled model.
@@ -231,7 +247,10 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         make: `make(budget_bytes, objective=...)` plans for another budget.
         batch_size: Batch size, when shapes come from `model.inputs`.
         sample: One batch `(x, y)` or a `tf.data.Dataset`.
-        max_trials: Most plans measured.
+        max_trials: Most plans measured, `unplanned` aside.
+        unplanned: `unplanned(plan)` is `plan` without segments or offloads
+            (same updates and order), measured when no plan has room; None
+            measures no such plan.
 
     Returns:
         The chosen plan; its estimate details hold `"measured_peak_bytes"` and
@@ -255,18 +274,17 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
             last_chance = len(trials) == max_trials - 1
             plan = fitting[0] if fitting and not last_chance else candidates[-1]
             candidates.remove(plan)
-        # XLA ignores device placement: offload runs without it (as the Planner does).
-        jit = False if plan.offloaded and model.jit_compile is True else None
-        measured = PlanInstallation(model, plan, jit_compile=jit).measure_peak(
-            batch_size=batch_size, sample=sample, repeats=2)
+        measured = _trial(model, plan, budget, batch_size, sample)
         trials.append((plan, measured))
-        logger.info("Measured a plan predicted at %.1f MiB: %.1f MiB (budget %.1f MiB).",
-                    plan.peak_bytes / MIB, measured / MIB, budget / MIB)
         if measured <= roomy:
             break
         ratio = measured / max(plan.peak_bytes, 1)
+    if unplanned is not None and not any(m <= roomy for _, m in trials):
+        bare = unplanned(first)
+        trials.append((bare, _trial(model, bare, budget, batch_size, sample)))
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
-               "overhead": p.estimates.overhead if p.estimates else 0.0}
+               "overhead": p.estimates.overhead if p.estimates else 0.0,
+               "unplanned": not (p.segments or p.offloaded)}
               for p, m in trials]
     fitting = [(p, m) for p, m in trials if m <= budget]
     with_room = [(p, m) for p, m in fitting if m <= roomy]
@@ -281,7 +299,8 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         error = BudgetError(
             budget, math.ceil(measured * (1 + MEASURED_SPREAD)), first.planner,
             f"Measured {len(trials)} plan(s) on the device: "
-            + ", ".join(f"predicted {r['predicted_bytes'] / MIB:.1f} MiB -> measured "
+            + ", ".join(f"{'without recomputation, ' if r['unplanned'] else ''}"
+                        f"predicted {r['predicted_bytes'] / MIB:.1f} MiB -> measured "
                         f"{r['measured_bytes'] / MIB:.1f} MiB" for r in record)
             + f". The stated minimum is the lowest measured peak plus "
               f"{MEASURED_SPREAD:.0%}, the spread of one plan measured again.")
@@ -290,8 +309,31 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     return chosen
 
 
+def unplanned(graph: PlanGraph, like: Plan) -> Plan:
+    """`like` without segments or offloads (its updates and order kept),
+    predicted for `graph`: the step as it runs without recomputation."""
+    bare = dataclasses.replace(like, planner="none", segments=[], offloaded=[],
+                               estimates=None)
+    bare.estimates = simulate(graph, bare).plan_estimate(
+        note="No recomputation or offload: no plan measured lower.")
+    return bare
+
+
+def _trial(model: keras.Model, plan: Plan, budget: int, batch_size: int | None,
+           sample: Any) -> int:
+    """The measured peak of `plan`: the larger of two steps."""
+    # XLA ignores device placement: offload runs without it (as the Planner does).
+    jit = False if plan.offloaded and model.jit_compile is True else None
+    measured = PlanInstallation(model, plan, jit_compile=jit).measure_peak(
+        batch_size=batch_size, sample=sample, repeats=2)
+    logger.info("Measured a plan predicted at %.1f MiB: %.1f MiB (budget %.1f MiB).",
+                plan.peak_bytes / MIB, measured / MIB, budget / MIB)
+    return measured
+
+
 def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., Plan], *,
-                   batch_size: int | None = None, sample: Any = None) -> Plan:
+                   batch_size: int | None = None, sample: Any = None,
+                   unplanned: Callable[[Plan], Plan] | None = None) -> Plan:
     """Measures the plan of lowest predicted peak when its prediction is over budget.
 
     A predicted minimum is only as good as the prediction: a second run at a
@@ -304,9 +346,11 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
         make: `make(budget_bytes, objective=...)` plans for another budget.
         batch_size: Batch size, when shapes come from `model.inputs`.
         sample: One batch `(x, y)` or a `tf.data.Dataset`.
+        unplanned: As for `measured_choice`.
 
     Returns:
-        That plan, when it measures within the budget after all (its
+        That plan (or the one without segments or offloads, when it measures
+        lower), when it measures within the budget after all (its
         estimate details hold `"trials"`, as `measured_choice`'s).
 
     Raises:
@@ -322,7 +366,8 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
     lowest.budget_bytes = error.budget_bytes
     try:  # one trial, of `lowest` (every other budget would plan it again)
         return measured_choice(model, lowest, lambda *_, **__: lowest,
-                               batch_size=batch_size, sample=sample, max_trials=1)
+                               batch_size=batch_size, sample=sample, max_trials=1,
+                               unplanned=unplanned)
     except BudgetError as measured:
         raise BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,

@@ -327,7 +327,10 @@ def test_an_unbuilt_subclassed_model_is_built_from_the_first_batch():
     model = BlocksNet()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     assert not model.built
-    planner = tfremat.Planner(5.8, verbose=0)  # binding: the plain step needs ~6.2 MiB
+    # Binding: the plain step is predicted at ~6.2 MiB. By the prediction alone:
+    # measured, this 6 MiB step's plans (6.3-7.2 MiB) are no lower than the plain
+    # step (6.4-6.7), so the measuring Planner may rightly train without a plan.
+    planner = tfremat.Planner(5.8, verbose=0, measure=False)
     hist = model.fit(x, y, batch_size=512, verbose=0, shuffle=False, callbacks=[planner])
     assert tfremat.simulate(planner.graph).peak_mb > 5.8 and not planner.plan.is_empty
     np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-5)

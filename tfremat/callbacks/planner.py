@@ -394,7 +394,12 @@ class Planner(keras.callbacks.Callback):
 
     def _report(self, plan: Plan) -> None:
         if self.verbose:
-            if plan.is_empty:
+            if plan.is_empty and plan.planner == "none":
+                io_utils.print_msg(
+                    f"tfremat: no plan measured lower than the step without one; training "
+                    f"without rewriting (predicted {self.predicted_peak_mb:.1f} MiB on "
+                    f"{self.device}).")
+            elif plan.is_empty:
                 io_utils.print_msg(
                     f"tfremat: the step fits {self.budget_mb:.0f} MiB without rewriting "
                     f"(predicted {self.predicted_peak_mb:.1f} MiB on {self.device}).")
@@ -405,6 +410,7 @@ class Planner(keras.callbacks.Callback):
             if trials:
                 io_utils.print_msg(
                     "tfremat: measured before training: " + "; ".join(
+                        f"{'without recomputation, ' if t.get('unplanned') else ''}"
                         f"predicted {t['predicted_bytes'] / MIB:.1f} MiB -> "
                         f"{t['measured_bytes'] / MIB:.1f} MiB" for t in trials)
                     + f" (budget {self.budget_mb:.1f} MiB).")
