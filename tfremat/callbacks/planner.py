@@ -94,8 +94,10 @@ class Planner(keras.callbacks.Callback):
             `"auto"` (under a binding budget, when the optimizer allows it). The plan summary says
             whether it does, and why not.
         pin_order: Pin the backward pass to the simulator's order (see
-            `tfremat.plan`): steadier peaks on some models, not on others;
-            step time 0.86x to 1.08x on CPU (docs/how-it-works.md).
+            `tfremat.plan`): steadier peaks on some models, higher ones on
+            others; on CPU the step took 0.86x to 1.06x the unpinned step on
+            one model and up to 0.15x of the plain step more on another
+            (docs/how-it-works.md, "Pinning the order").
 
     Attributes:
         plan: The plan applied (None before the first step).
