@@ -329,8 +329,9 @@ def test_the_step_without_a_plan_is_not_measured_when_a_plan_has_room(fake_measu
 
 
 def test_a_refused_budget_states_the_peak_without_a_plan_when_that_measures_lowest(no_help):
-    """The `tests/setups` masked RNN: its plans measured 29.6-31.4 MiB, the plain
-    step 29.6-29.7, and the minimum stated was the plans' (above the plain peak)."""
+    """A 4-conv model whose peak is one conv's backward scratch: its lowest plan
+    measured 148.5 MiB, the plain step 143, and the minimum stated was the plan's
+    (above the plain peak)."""
     graph = G.resnet_like(8)
     floor = predicted_floor_bytes(graph)
     budget = int(floor * 0.9)

@@ -1,8 +1,11 @@
-"""`recompute_grad`'s wait for the incoming gradient, with gradients that are not finite."""
+"""The recompute waits for the incoming gradient: with gradients that are not
+finite, and from integer inputs."""
 
+import keras
 import numpy as np
 import tensorflow as tf
 
+from tfremat.rewriter import exact_recompute
 from tfremat.rewriter.recompute_grad import recompute_grad
 
 TABLE = tf.Variable(np.arange(12, dtype="float32").reshape(6, 2))
@@ -32,3 +35,34 @@ def test_finite_gradients_are_those_without_recompute():
     plain = tf.convert_to_tensor(gradients(lookup, ids, 1.5))
     recomputed = tf.convert_to_tensor(gradients(recompute_grad(lookup), ids, 1.5))
     np.testing.assert_array_equal(recomputed, plain)
+
+
+def _ancestors(tensor: tf.Tensor) -> set[str]:
+    seen, todo = set(), [tensor.op]
+    while todo:
+        op = todo.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            todo.extend(t.op for t in op.inputs)
+            todo.extend(op.control_inputs)
+    return seen
+
+
+def test_a_unit_fed_only_token_ids_recomputes_after_its_gradient_arrives():
+    # Bound as constants, the ids let the whole recompute (gather, dense) run
+    # in the forward pass, keeping what it was meant to drop.
+    embed, dense = keras.layers.Embedding(6, 4), keras.layers.Dense(3)
+
+    @tf.function
+    def step(ids, upstream):
+        with tf.GradientTape() as tape:
+            out = exact_recompute.recompute(lambda t: dense(embed(t)), [ids], [embed, dense])
+        return tape.gradient(out, dense.trainable_variables + embed.trainable_variables,
+                             output_gradients=upstream)
+
+    ids = tf.TensorSpec((2, 5), tf.int32)
+    graph = step.get_concrete_function(ids, tf.TensorSpec((2, 5, 3), tf.float32)).graph
+    upstream = graph.inputs[1].op.name
+    gathers = [op for op in graph.get_operations() if "Gather" in op.type]
+    waiting = [op for op in gathers if upstream in _ancestors(op.outputs[0])]
+    assert len(gathers) == 2 and len(waiting) == 1, [op.name for op in gathers]

@@ -252,9 +252,9 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[An
         fn: A function of positional tensors only; bind everything else
             (e.g. `training`) in a closure: `checkpoint.recompute_grad` takes
             positional tensors only.
-        inputs: The tensors to pass to `fn`. Floating ones are the recompute's
-            arguments; integer and boolean ones are bound as constants. `fn`
-            receives them with their Keras masks.
+        inputs: The tensors to pass to `fn`. Floating and integer ones are
+            the recompute's arguments; boolean ones are bound as constants.
+            `fn` receives them with their Keras masks.
         layers: The Keras layers `fn` calls. The recompute reads their state
             variables (see `state_variables`) as they were before the forward
             pass and does not assign them. The losses they add are carried
@@ -303,10 +303,13 @@ def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
     body after the first) reads the state of `state_mapping`."""
     values = [tf.convert_to_tensor(x) for x in inputs]
     masks = [get_keras_mask(x) for x in inputs]
-    # Only floating tensors go through recompute_grad (it adds a float
-    # dependency to each argument); integer and boolean ones are bound as
-    # constants of the recompute.
-    differentiable = [i for i, x in enumerate(values) if x.dtype.is_floating]
+    # Floating and integer tensors are arguments of recompute_grad, whose
+    # recompute waits for the gradient through each of them: bound as a
+    # constant, token ids would let a recompute that starts from them (an
+    # Embedding, then an LSTM) run in the forward pass and save nothing.
+    # Boolean ones (masks) are bound as constants: what reads them reads an
+    # argument too.
+    differentiable = [i for i, x in enumerate(values) if not x.dtype.is_bool]
     collect = collects_losses()
     calls = itertools.count()
     forward = _Forward()
@@ -334,7 +337,7 @@ def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
 
     positional = [values[i] for i in differentiable]
     # recompute_grad needs one argument at least: weights' gradients still
-    # flow when every input is an integer (e.g. token ids into an Embedding).
+    # flow when every input is boolean.
     results = list(gradient(body)(*(positional or [tf.zeros(())])))
     inner = tree.flatten(forward.outputs)
     n_outputs, n_losses = len(inner), len(forward.losses)

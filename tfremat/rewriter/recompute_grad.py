@@ -59,7 +59,7 @@ def recompute_grad(f: Callable[..., Any],
                               for x in args]
             variables = list(variables or [])
             with tf.GradientTape() as tape:
-                tape.watch(recompute_args)
+                tape.watch([x for x in recompute_args if x.dtype.is_floating])
                 tape.watch(variables)
                 outputs = f(*recompute_args)
             grads = tape.gradient(outputs, recompute_args + variables,
