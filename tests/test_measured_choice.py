@@ -276,8 +276,8 @@ def bare_for(graph):
 
 class RecomputeDoesNotHelp(FakeInstallation):
     """Plans measure 1.2x the budget (no room); the step without a plan, `bare`
-    times the budget: recomputation that saves nothing on the device, as a
-    recurrent layer re-run in the backward pass."""
+    times the budget: recomputation that saves nothing on the device, as on a
+    model whose peak is one convolution's backward scratch."""
 
     budget = 0
     bare = 0.8

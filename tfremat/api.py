@@ -235,8 +235,8 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     (`PlanInstallation.measure_peak`, which leaves every variable as it was).
     When none of them has room, `unplanned(first)` (the step without
     recomputation or offload) is measured too: recomputation does not lower
-    every measured peak (a recurrent layer re-run in the backward pass saves
-    its loop state again), and no plan is trained that measures above none.
+    every measured peak (not where the peak is one convolution's backward
+    scratch), and no plan is trained that measures above none.
     The first plan tried that fits with room is chosen (`unplanned` last);
     when none does, the one of lowest measured peak among those within the
     budget.

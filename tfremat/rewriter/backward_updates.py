@@ -36,7 +36,7 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-from tfremat.core import PlanGraph, with_updates_in_backward
+from tfremat.core import Plan, PlanGraph, with_updates_in_backward
 from tfremat.graph import is_subclassed
 from tfremat.simulation import simulate
 
@@ -358,6 +358,21 @@ class BackwardOrder(BackwardUpdates):
         with tf.control_dependencies(waits):
             input_grads = [None if g is None else tf.identity(g) for g in input_grads]
         return input_grads, list(var_grads)
+
+
+def for_plan(plan: Plan) -> BackwardUpdates | None:
+    """What the units of a model rewritten for `plan` share in the backward pass.
+
+    Args:
+        plan: A `tfremat.Plan`.
+
+    Returns:
+        A `BackwardUpdates` when the plan updates in the backward pass, a
+        `BackwardOrder` when it only pins the order, else None.
+    """
+    if plan.update_in_backward:
+        return BackwardUpdates()
+    return BackwardOrder() if plan.pin_order else None
 
 
 def _finish_step(optimizer: Any) -> None:

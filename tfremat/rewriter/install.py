@@ -22,7 +22,7 @@ import keras
 
 from tfremat.core import Plan
 from tfremat.memory import measure_peak
-from tfremat.rewriter.backward_updates import BackwardOrder, BackwardUpdates
+from tfremat.rewriter.backward_updates import for_plan
 from tfremat.rewriter.rewriting import rewrite_model
 
 
@@ -53,8 +53,7 @@ class PlanInstallation:
         # With updates in the backward pass, the units update with the model's
         # own optimizer, whose `apply` they patch until `restore()`; with a
         # pinned order, they only order the backward pass.
-        self._updates = (BackwardUpdates() if plan.update_in_backward
-                         else BackwardOrder() if plan.pin_order else None)
+        self._updates = for_plan(plan)
         if self._updates is not None:
             self._updates.bind(model)
         # Rewriting first: if it fails, nothing of the model was touched.

@@ -12,7 +12,7 @@ import tensorflow as tf
 from tfremat.core import (Plan, PlanValidationError, TfrematError, UnsupportedModelError,
                           validate_plan)
 from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
-from tfremat.rewriter.backward_updates import BackwardOrder, BackwardUpdates
+from tfremat.rewriter.backward_updates import BackwardUpdates, for_plan
 from tfremat.rewriter.functional import OffloadSettings, rebuild
 
 
@@ -151,7 +151,7 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                                   *_offload_devices(compute_device, host_device))
     if plan.update_in_backward or plan.pin_order:
         if updates is None:
-            updates = BackwardUpdates() if plan.update_in_backward else BackwardOrder()
+            updates = for_plan(plan)
         by_id = {s.id: s.operation for s in sites}
         inside = plan.recomputed_nodes()
         updates.set_units([[by_id[n] for n in seg.nodes] for seg in plan.segments]
