@@ -303,20 +303,20 @@ def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
     body after the first) reads the state of `state_mapping`."""
     values = [tf.convert_to_tensor(x) for x in inputs]
     masks = [get_keras_mask(x) for x in inputs]
-    # Floating and integer tensors are arguments of recompute_grad, whose
-    # recompute waits for the gradient through each of them: bound as a
+    # Floating and integer tensors are arguments of the unit's custom
+    # gradient; a recompute waits for the gradient through each: bound as a
     # constant, token ids would let a recompute that starts from them (an
     # Embedding, then an LSTM) run in the forward pass and save nothing.
     # Boolean ones (masks) are bound as constants: what reads them reads an
     # argument too.
-    differentiable = [i for i, x in enumerate(values) if not x.dtype.is_bool]
+    arguments = [i for i, x in enumerate(values) if not x.dtype.is_bool]
     collect = collects_losses()
     calls = itertools.count()
     forward = _Forward()
 
     def body(*xs: Any) -> list[Any]:
         args = list(values)
-        for i, x in zip(differentiable, xs):
+        for i, x in zip(arguments, xs):
             args[i] = x
         with_masks(args, masks)
         if next(calls) == 0:  # The forward pass: state updates are kept.
@@ -335,7 +335,7 @@ def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
         flat = tree.flatten(outputs)
         return [*flat, *(loss for _, loss in added.losses), *logits_at(flat, forward.logits)]
 
-    positional = [values[i] for i in differentiable]
+    positional = [values[i] for i in arguments]
     # recompute_grad needs one argument at least: weights' gradients still
     # flow when every input is boolean.
     results = list(gradient(body)(*(positional or [tf.zeros(())])))

@@ -92,7 +92,7 @@ def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., A
     @tf.custom_gradient
     def inner(*args: Any) -> Any:
         with tf.GradientTape() as tape:
-            tape.watch(args)
+            tape.watch([x for x in args if x.dtype.is_floating])
             result = f(*args)
 
         def grad(*dresult: Any, variables: Any = None) -> Any:
