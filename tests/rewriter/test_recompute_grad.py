@@ -1,5 +1,5 @@
 """The recompute waits for the incoming gradient: with gradients that are not
-finite, and from integer inputs."""
+finite, and from integer or boolean inputs."""
 
 import keras
 import numpy as np
@@ -66,3 +66,25 @@ def test_a_unit_fed_only_token_ids_recomputes_after_its_gradient_arrives():
     gathers = [op for op in graph.get_operations() if "Gather" in op.type]
     waiting = [op for op in gathers if upstream in _ancestors(op.outputs[0])]
     assert len(gathers) == 2 and len(waiting) == 1, [op.name for op in gathers]
+
+
+def test_a_unit_fed_only_a_boolean_mask_recomputes_after_its_gradient_arrives():
+    # With a dummy argument instead of the mask, nothing in the recompute read
+    # an argument: it ran in the forward pass.
+    dense = keras.layers.Dense(3)
+
+    @tf.function
+    def step(mask, upstream):
+        with tf.GradientTape() as tape:
+            out = exact_recompute.recompute(
+                lambda m: dense(tf.cast(m, tf.float32)), [mask], [dense])
+        return tape.gradient(out, dense.trainable_variables, output_gradients=upstream)
+
+    mask = tf.TensorSpec((2, 5), tf.bool)
+    graph = step.get_concrete_function(mask, tf.TensorSpec((2, 3), tf.float32)).graph
+    upstream = graph.inputs[1].op.name
+    matmuls = [op for op in graph.get_operations() if op.type == "MatMul"]
+    waiting = [op for op in matmuls if upstream in _ancestors(op.outputs[0])]
+    # The forward matmul, the recomputed one and the kernel's gradient matmul:
+    # the last two wait for the gradient.
+    assert len(matmuls) == 3 and len(waiting) == 2, [op.name for op in matmuls]

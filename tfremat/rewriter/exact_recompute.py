@@ -15,7 +15,8 @@ Keras masks and activation losses cross the unit as well:
 - The tensors the unit's function receives carry the Keras masks of the
   unit's inputs, in the forward pass and in the recompute; its outputs carry
   the masks the forward pass made. Masks are boolean: they are bound as
-  constants, never differentiated.
+  constants, never differentiated (a unit whose inputs are all boolean takes
+  them as arguments, so that its recompute waits for the gradient).
 - The losses its layers add during the call (`add_loss`,
   `activity_regularizer`) are extra outputs of the recompute, so their
   gradient flows through its custom gradient. Each replaces, where the layer
@@ -253,7 +254,8 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[An
             (e.g. `training`) in a closure: `checkpoint.recompute_grad` takes
             positional tensors only.
         inputs: The tensors to pass to `fn`. Floating and integer ones are
-            the recompute's arguments; boolean ones are bound as constants.
+            the recompute's arguments; boolean ones are bound as constants
+            (arguments too when every input is boolean).
             `fn` receives them with their Keras masks.
         layers: The Keras layers `fn` calls. The recompute reads their state
             variables (see `state_variables`) as they were before the forward
@@ -307,9 +309,10 @@ def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
     # gradient; a recompute waits for the gradient through each: bound as a
     # constant, token ids would let a recompute that starts from them (an
     # Embedding, then an LSTM) run in the forward pass and save nothing.
-    # Boolean ones (masks) are bound as constants: what reads them reads an
-    # argument too.
-    arguments = [i for i, x in enumerate(values) if not x.dtype.is_bool]
+    # Boolean ones (masks) are bound as constants, what reads them reads an
+    # argument too, unless every input is boolean: then they are the arguments.
+    arguments = ([i for i, x in enumerate(values) if not x.dtype.is_bool]
+                 or list(range(len(values))))
     collect = collects_losses()
     calls = itertools.count()
     forward = _Forward()
@@ -337,7 +340,7 @@ def _unit(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
 
     positional = [values[i] for i in arguments]
     # recompute_grad needs one argument at least: weights' gradients still
-    # flow when every input is boolean.
+    # flow for a unit without inputs.
     results = list(gradient(body)(*(positional or [tf.zeros(())])))
     inner = tree.flatten(forward.outputs)
     n_outputs, n_losses = len(inner), len(forward.losses)

@@ -8,7 +8,8 @@ at 484 MiB against 371 MiB with Grappler off). Here the dependency is
 `x + min(|g|, 0)`: 0 for every finite gradient, NaN for NaN, and nothing an
 optimizer may fold. Integer inputs (token ids) get the NaN as 0: cast to an
 integer it would be an index of about -2**31, and the recompute's gather would
-fail where the step without recompute goes on with NaN gradients. It reads
+fail where the step without recompute goes on with NaN gradients. Boolean
+inputs (masks) wait through `x or False`. It reads
 every output's gradient: `tf.recompute_grad` waits for the first only, so a
 segment whose other output feeds a skip connection recomputed as soon as that
 early gradient arrived.
@@ -55,8 +56,7 @@ def recompute_grad(f: Callable[..., Any],
                       if g is not None]
             dep = tf.minimum(tf.abs(tf.reduce_max(tf.concat(firsts, 0))), 0.0)
             finite_dep = tf.where(tf.math.is_nan(dep), 0.0, dep)
-            recompute_args = [x + tf.cast(dep if x.dtype.is_floating else finite_dep, x.dtype)
-                              for x in args]
+            recompute_args = [_after(x, dep, finite_dep) for x in args]
             variables = list(variables or [])
             with tf.GradientTape() as tape:
                 tape.watch([x for x in recompute_args if x.dtype.is_floating])
@@ -72,6 +72,14 @@ def recompute_grad(f: Callable[..., Any],
         return result, grad
 
     return inner
+
+
+def _after(x: tf.Tensor, dep: tf.Tensor, finite_dep: tf.Tensor) -> tf.Tensor:
+    """`x`, computed once `dep` (0 or NaN) exists: `x + dep` when floating,
+    `x + 0` when integer, `x or False` when boolean."""
+    if x.dtype.is_bool:
+        return tf.logical_or(x, tf.cast(finite_dep, tf.bool))
+    return x + tf.cast(dep if x.dtype.is_floating else finite_dep, x.dtype)
 
 
 def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., Any]:
