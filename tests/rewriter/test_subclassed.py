@@ -10,8 +10,10 @@ from tests.rewriter import rewrite_helpers as h
 from tfremat.core import PlanMismatchError, PlanValidationError, UnsupportedModelError
 from tfremat.graph import extract
 from tfremat.core import Plan, Segment
+from tfremat.planners import make_plan
 from tfremat.rewriter import rewrite_model
 from tfremat.rewriter.subclassed import RecomputedCall
+from tfremat.simulation import simulate
 
 
 class ConvBlock(keras.layers.Layer):
@@ -189,3 +191,36 @@ def test_sublayer_reached_through_another_layer_is_unsupported():
     model(x)
     with pytest.raises(UnsupportedModelError, match="not called through an attribute"):
         rewrite_model(model, _plan(model, x, [model.dense.name]))
+
+
+class Chain(keras.Model):
+    """Four Sequential conv blocks called one after the other."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [keras.Sequential([keras.layers.Conv2D(8, 3, padding="same"),
+                                         keras.layers.BatchNormalization(),
+                                         keras.layers.ReLU()]) for _ in range(4)]
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x, training=None):
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(keras.ops.mean(x, axis=(1, 2)))
+
+
+def test_a_segment_of_sublayer_calls_is_predicted_as_the_units_the_rewrite_runs():
+    # The rewrite recomputes each chosen call as a unit of its own: predicted as
+    # one unit, three such blocks measured 37 MiB (21%) above their prediction.
+    model = Chain()
+    x = np.zeros((4, 16, 16, 3), "float32")
+    model(x)
+    model.compile(optimizer="sgd", loss="mse")
+    graph = extract(model, sample=(x, np.zeros((4, 3), "float32")))
+    blocks = [n.id for n in graph if n.layer.startswith("sequential")]
+    grouped = Plan.from_segments(graph, [Segment(blocks[:3])])
+    apart = Plan.from_segments(graph, [Segment([b]) for b in blocks[:3]])
+    assert simulate(graph, grouped).peak_bytes == simulate(graph, apart).peak_bytes
+    lowest = make_plan(graph, simulate(graph, apart).peak_bytes, objective="memory")
+    assert lowest.segments and all(len(s.nodes) == 1 and not s.children
+                                   for s in lowest.segments), lowest.segments

@@ -11,14 +11,14 @@ from tfremat.core.errors import (MIB, BackendError, BudgetError, PlanMismatchErr
 from tfremat.core.graph import (Node, PlanGraph, TensorInfo, dtype_size, split_ref,
                                 structure_fingerprint)
 from tfremat.core.plan import (Offload, Plan, PlanEstimate, PlanPlots, PlanViews, Segment,
-                               set_plan_plots, set_plan_views, updates_in_backward,
-                               with_updates_in_backward)
+                               recompute_units, set_plan_plots, set_plan_views,
+                               updates_in_backward, with_updates_in_backward)
 from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
 
 __all__ = [
     "MIB", "BackendError", "BudgetError", "Node", "Offload", "Plan", "PlanEstimate",
-    "PlanGraph", "PlanMismatchError", "PlanPlots", "PlanValidationError", "PlanViews", "Segment",
-    "TensorInfo", "TfrematError", "UnsupportedModelError", "dtype_size", "is_convex",
-    "set_plan_plots", "set_plan_views", "shared_layer_groups", "split_ref", "structure_fingerprint",
-    "updates_in_backward", "validate_plan", "with_updates_in_backward",
+    "PlanGraph", "PlanMismatchError", "PlanPlots", "PlanValidationError", "PlanViews",
+    "Segment", "TensorInfo", "TfrematError", "UnsupportedModelError", "dtype_size", "is_convex",
+    "recompute_units", "set_plan_plots", "set_plan_views", "shared_layer_groups", "split_ref",
+    "structure_fingerprint", "updates_in_backward", "validate_plan", "with_updates_in_backward",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from tfremat.core import (BudgetError, Node, Plan, PlanGraph, Segment,
+from tfremat.core import (BudgetError, Node, Plan, PlanGraph, Segment, recompute_units,
                           shared_layer_groups, split_ref)
 from tfremat.simulation import simulate
 
@@ -171,9 +171,11 @@ def convex_pieces(graph: PlanGraph, ids: Sequence[str]) -> list[list[str]]:
 def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list[list[str]]:
     """Turns node sets into segments that `Plan.validate` accepts.
 
-    InputLayers are removed, each set is split into convex pieces, and the calls
-    of a shared layer that do not all land in one piece are taken out of the
-    segments (kept instead of recomputed), repeating until stable.
+    InputLayers are removed, each set is split into convex pieces (and, on a
+    subclassed model, into the units the rewriter recomputes: one per node,
+    see `tfremat.core.recompute_units`), and the calls of a shared layer that
+    do not all land in one piece are taken out of the segments (kept instead
+    of recomputed), repeating until stable.
 
     Args:
         graph: The PlanGraph.
@@ -188,6 +190,7 @@ def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list
     sets = [[n for n in s if not graph.node(n).is_input] for s in node_sets]
     while True:
         pieces = [p for s in sets for p in convex_pieces(graph, s) if p]
+        pieces = [u.nodes for u in recompute_units(graph, [Segment(p) for p in pieces])]
         piece_of = {n: k for k, p in enumerate(pieces) for n in p}
         broken = {c for calls in groups
                   if len({piece_of.get(c) for c in calls}) > 1 for c in calls}
@@ -212,6 +215,9 @@ def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
     Returns:
         The Plan, with `PlanEstimate` from the simulator.
     """
+    if graph.metadata.get("subclassed", False):
+        # One unit per call there (`recompute_units`): the plan says what runs.
+        segments = valid_segments(graph, [getattr(s, "nodes", s) for s in segments])
     plan = Plan.from_segments(graph, list(segments), planner=planner,
                               budget_bytes=budget_bytes, settings=dict(settings))
     plan.validate(graph)

@@ -22,7 +22,7 @@ import heapq
 from collections import Counter
 from typing import Union
 
-from tfremat.core import Node, Plan, PlanGraph, Segment, updates_in_backward
+from tfremat.core import Node, Plan, PlanGraph, Segment, recompute_units, updates_in_backward
 from tfremat.simulation.transfers import DEVICE_FLOPS, node_seconds
 
 Key = tuple
@@ -368,7 +368,7 @@ def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
         plan.check_graph(graph)
     updates = plan.update_in_backward if plan is not None else updates_in_backward(graph)
     return Schedule(graph, device_flops, updates).run(
-        plan.segments if plan is not None else [])
+        recompute_units(graph, plan.segments) if plan is not None else [])
 
 
 class _Context:
