@@ -32,6 +32,20 @@ def test_bad_budgets_are_refused_where_they_are_given(budget, error, message):
         tfremat.plan(tiny(), budget, batch_size=4)
 
 
+@pytest.mark.parametrize("batch_size, error, message", [
+    (0, ValueError, "batch_size must be a positive integer, got 0"),
+    (-1, ValueError, "batch_size must be a positive integer, got -1"),
+    ("8", TypeError, "batch_size must be an integer, got '8'"),
+    (8.0, TypeError, "batch_size must be an integer, got 8.0"),
+])
+def test_bad_batch_sizes_are_refused_by_every_entry_point(batch_size, error, message):
+    model = tiny()
+    for call in (tfremat.extract, tfremat.measure_peak,
+                 lambda m, batch_size: tfremat.plan(m, 100, batch_size=batch_size)):
+        with pytest.raises(error, match=message):
+            call(model, batch_size=batch_size)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"planner": "chen-magic"}, "Unknown planner 'chen-magic'"),
     ({"objective": "fast"}, "Unknown objective 'fast'"),

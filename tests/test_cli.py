@@ -1,7 +1,9 @@
 """The `tfremat` command."""
 
 import keras
+import pytest
 
+import tfremat
 from tfremat import cli
 
 
@@ -38,3 +40,10 @@ def test_plan_writes_the_memory_timeline(tmp_path, capsys):
                      "--plot", str(plot)]) == 0
     assert f"Memory timeline written to {plot}" in capsys.readouterr().out.replace("\n", "")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_version_is_printed(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tfremat {tfremat.__version__}"

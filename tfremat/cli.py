@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from importlib import metadata
 import sys
 from typing import Any, Sequence
 
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfremat",
         description="Plan recomputation and offload so Keras training fits a memory budget.")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {metadata.version('tfremat')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     est = sub.add_parser("estimate", help="predicted peak memory per strategy")

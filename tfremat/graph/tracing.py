@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import time
 from typing import Any, Iterator
 
@@ -71,7 +72,17 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
     Returns:
         Nested `tf.TensorSpec`s with a fully known batch dimension; y is None
         when it must be inferred from the model's outputs.
+
+    Raises:
+        TypeError: `batch_size` is not an integer.
+        ValueError: `batch_size` is not positive, or the batch shape is unknown.
     """
+    if batch_size is not None and (isinstance(batch_size, bool)
+                                   or not isinstance(batch_size, numbers.Integral)):
+        raise TypeError(f"batch_size must be an integer, got {batch_size!r} "
+                        f"({type(batch_size).__name__}).")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
     if isinstance(sample, tf.data.Dataset):
         spec = sample.element_spec
         x_spec, y_spec = (spec[0], spec[1]) if isinstance(spec, tuple) and len(spec) >= 2 \
