@@ -47,3 +47,12 @@ def test_version_is_printed(capsys):
         cli.main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"tfremat {tfremat.__version__}"
+
+
+@pytest.mark.parametrize("shape", ["64x64", "96,96,3,1", "a,b,c", "0,96,3"])
+def test_an_input_shape_that_is_not_three_numbers_is_a_usage_error(shape, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["estimate", "resnet50", "--input-shape", shape])
+    assert exit_info.value.code == 2
+    assert f"--input-shape wants three numbers like 96,96,3, got {shape!r}" in \
+        capsys.readouterr().err

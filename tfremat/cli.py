@@ -37,13 +37,15 @@ def load_model(name: str, *, input_shape: tuple[int, ...] | None = None,
         weights=None, input_shape=shape, classes=classes)
 
 
-def _parse_shape(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
+def _parse_shape(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(d) for d in text.replace("x", ",").split(",") if d)
+        shape = tuple(int(d) for d in text.replace("x", ",").split(",") if d)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--input-shape wants numbers like 96,96,3, got {text!r}")
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:  # height, width, channels
+        raise argparse.ArgumentTypeError(
+            f"--input-shape wants three numbers like 96,96,3, got {text!r}")
+    return shape
 
 
 def _console() -> Any:
@@ -55,7 +57,7 @@ def _console() -> Any:
 
 
 def _prepare(args: argparse.Namespace) -> Any:
-    model = load_model(args.model, input_shape=_parse_shape(args.input_shape))
+    model = load_model(args.model, input_shape=args.input_shape)
     if not model.compiled:
         model.compile(optimizer=args.optimizer, loss="categorical_crossentropy")
     return model
@@ -163,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="predicted peak memory per strategy")
     est.add_argument("model", help="keras.applications name (e.g. resnet50) or .keras file")
     est.add_argument("--batch-size", type=int, default=16)
-    est.add_argument("--input-shape", default=None, help="e.g. 128,128,3")
+    est.add_argument("--input-shape", default=None, type=_parse_shape, help="e.g. 128,128,3")
     est.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     est.add_argument("--measure", action="store_true",
                      help="also run real steps and report the measured peak")
@@ -174,14 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget-mb", type=float, required=True,
                     help="device budget for a whole step, MiB, weights included")
     pl.add_argument("--batch-size", type=int, default=16)
-    pl.add_argument("--input-shape", default=None)
+    pl.add_argument("--input-shape", default=None, type=_parse_shape, help="e.g. 128,128,3")
     pl.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     pl.add_argument("--planner", default="auto")
     pl.add_argument("--objective", default="time", choices=("time", "memory"),
                     help="for the DP planners: least extra compute, or least memory")
     pl.add_argument("--strategy", dest="objective", choices=("time", "memory"),
                     help=argparse.SUPPRESS)  # the old name of --objective
-    pl.add_argument("--export", default=None, help="plan picture: .png, .svg or .dot")
+    pl.add_argument("--export", default=None, help="plan picture: .png, .svg, .pdf or .dot")
     pl.add_argument("--plot", default=None,
                     help="memory timeline image (.png, .svg, .pdf): predicted memory over "
                          "one step, without and with the plan; needs no Graphviz")
