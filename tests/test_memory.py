@@ -44,14 +44,16 @@ def test_measuring_with_an_unbuilt_adam_leaves_no_memory_behind():
     # registry: each call left twice the weights on the device.
     inp = keras.Input((16, 16, 8))
     x = keras.layers.Flatten()(keras.layers.Conv2D(8, 3, padding="same")(inp))
-    model = keras.Model(inp, keras.layers.Dense(256)(x))  # 2 MiB of weights
+    model = keras.Model(inp, keras.layers.Dense(512)(x))  # 4 MiB of weights
     model.compile(optimizer="adam", loss="mse")
     weights = sum(v.numpy().nbytes for v in model.trainable_variables)
     in_use = []
-    for _ in range(3):
+    for _ in range(5):
         tfremat.measure_peak(model, batch_size=4)
         in_use.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
-    assert in_use[2] - in_use[0] < weights / 2, (in_use, weights)
+    # Leaking, four more calls leave 8x the weights; in a full test run what
+    # other tests left may be freed or allocated meanwhile (seen: +1x once).
+    assert in_use[4] - in_use[0] < 2 * weights, (in_use, weights)
     assert not model.optimizer.built
 
 
