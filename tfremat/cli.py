@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from importlib import metadata
 import sys
+from importlib import metadata
 from typing import Any, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
