@@ -332,9 +332,9 @@ def test_an_unbuilt_subclassed_model_is_built_from_the_first_batch():
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     assert not model.built
     # Binding: the plain step is predicted at 8.5 MiB, the lowest plan at 7.5.
-    # By the prediction alone: measured, so small a step's plans may be no
-    # lower than the plain step, and the measuring Planner may rightly train
-    # without a plan.
+    # measure=False plans by the prediction alone: measured, the plans of so
+    # small a step may be no lower than the plain step, and a measuring
+    # Planner may then rightly train without one.
     planner = tfremat.Planner(8.0, verbose=0, measure=False)
     hist = model.fit(x, y, batch_size=512, verbose=0, shuffle=False, callbacks=[planner])
     assert tfremat.simulate(planner.graph).peak_mb > 8.0 and not planner.plan.is_empty
