@@ -11,7 +11,7 @@ import pytest
 import tfremat
 from tfremat import api
 from tfremat.core import MIB, BudgetError
-from tfremat.planners import make_plan
+from tfremat.planners import every_unit_segments, make_plan
 
 from tests.planners import graphs as G
 
@@ -347,3 +347,84 @@ def test_a_refused_budget_states_the_peak_without_a_plan_when_that_measures_lowe
     assert caught.value.min_budget_bytes == math.ceil(
         int(budget * 1.1) * (1 + api.MEASURED_SPREAD))
     assert len(FakeInstallation.measured) == 2
+
+
+def blocks_graph():
+    """A subclassed model of six blocks, each keeping tensors of its own for its
+    backward pass (one node per block call)."""
+    b = G.Builder("blocks")
+    x = b.input(1.0)
+    for _ in range(6):
+        x = b.layer("Block", [x], mib=1.0, cost=100.0, params=4096, saved_mib=3.0)
+    graph = b.graph([x], persistent_mib=1.0)
+    graph.metadata["subclassed"] = True
+    return graph
+
+
+class EveryUnitMeasuresLower(FakeInstallation):
+    """Plans of the planners measure 1.2x the budget, every unit recomputed 0.8x:
+    the prediction ranked them the wrong way round (the `tests/setups`
+    subclassed model: four of six blocks predicted 155.5 MiB, measured 165.4;
+    all six predicted 164.4, measured 155.6)."""
+
+    budget = 0
+
+    def measure_peak(self, **kwargs):
+        FakeInstallation.measured.append(self.plan)
+        return int(self.budget * (0.8 if self.plan.planner == "every-unit" else 1.2))
+
+
+@pytest.fixture
+def every_unit_lower(monkeypatch):
+    FakeInstallation.measured = []
+    monkeypatch.setattr(api, "PlanInstallation", EveryUnitMeasuresLower)
+    return EveryUnitMeasuresLower
+
+
+def test_every_unit_on_its_own_recomputes_each_block_that_keeps_tensors():
+    graph = blocks_graph()
+    assert every_unit_segments(graph) == [[f"block_{k}" if k else "block"]
+                                              for k in range(6)]
+    plan = api.every_unit(graph, make_plan(graph, 10**12, planner="chen-greedy"))
+    assert plan.planner == "every-unit" and len(plan.segments) == 6
+    assert plan.peak_bytes == tfremat.simulate(graph, plan).peak_bytes
+    assert api.every_unit(G.resnet_like(2), make_plan(G.resnet_like(2), 10**12)) is None
+
+
+def test_when_the_lowest_plan_measures_over_every_unit_on_its_own_is_tried(
+        every_unit_lower):
+    graph = blocks_graph()
+    plain = tfremat.simulate(graph).peak_bytes
+    budget = every_unit_lower.budget = int(
+        (plain + predicted_floor_bytes(graph)) / 2)  # predicted to fit
+
+    def make(b, objective="time"):
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    chosen = api.measured_choice(None, make(budget), make, unplanned=bare_for(graph),
+                                 every_unit=lambda like: api.every_unit(graph, like))
+    tried = FakeInstallation.measured
+    # The first plan, then the lowest (last resorts come in that order), then it.
+    assert len(tried) == 3 and chosen is tried[-1] and chosen.planner == "every-unit"
+    assert all(p.planner != "every-unit" for p in tried[:-1])
+    lowest = min(p.peak_bytes for p in tried[:-1])
+    assert lowest == predicted_floor_bytes(graph)  # the lowest plan went first
+    assert chosen.estimates.details["measured_peak_bytes"] == int(budget * 0.8)
+    assert not any(t["unplanned"] for t in chosen.estimates.details["trials"])
+
+
+def test_a_refused_budget_is_met_by_every_unit_on_its_own_when_that_measures_under(
+        every_unit_lower):
+    graph = blocks_graph()
+    floor = predicted_floor_bytes(graph)
+    budget = every_unit_lower.budget = int(floor * 0.95)
+
+    def make(b, objective="time"):
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    with pytest.raises(BudgetError) as predicted:
+        make(budget)
+    chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph),
+                                every_unit=lambda like: api.every_unit(graph, like))
+    assert [p.planner for p in FakeInstallation.measured] == ["approx-dp", "every-unit"]
+    assert chosen.planner == "every-unit" and chosen.budget_bytes == budget

@@ -17,9 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.core import MIB, BudgetError, Plan, PlanGraph
+from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment
 from tfremat.graph import extract, is_subclassed
-from tfremat.planners import OBJECTIVES, PLANNERS, make_plan, progress
+from tfremat.planners import OBJECTIVES, PLANNERS, every_unit_segments, make_plan, progress
 from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model, warn_unpinned
 from tfremat.simulation import simulate
 
@@ -185,19 +185,22 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         def bare(like: Plan) -> Plan:
             return unplanned(graph, like)
 
+        def by_unit(like: Plan) -> Plan | None:
+            return every_unit(graph, like)
+
         try:
             result = make(int(budget_mb * MIB))
         except BudgetError as e:
             if not measure:
                 raise
             result = measured_floor(model, e, make, batch_size=batch_size, sample=sample,
-                                    unplanned=bare)
+                                    unplanned=bare, every_unit=by_unit)
         else:
             if measure:
                 try:
                     result = measured_choice(model, result, make, batch_size=batch_size,
                                              sample=sample, max_trials=max_trials,
-                                             unplanned=bare)
+                                             unplanned=bare, every_unit=by_unit)
                 except BudgetError as e:
                     e.measured_plan.graph = graph
                     raise
@@ -227,7 +230,8 @@ TRIAL_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5)
 def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], *,
                     batch_size: int | None = None, sample: Any = None,
                     max_trials: int = 3,
-                    unplanned: Callable[[Plan], Plan] | None = None) -> Plan:
+                    unplanned: Callable[[Plan], Plan] | None = None,
+                    every_unit: Callable[[Plan], Plan | None] | None = None) -> Plan:
     """The plan of least predicted overhead whose measured peak fits the budget
     with room for its spread.
 
@@ -237,8 +241,10 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     While the last plan measured has no such room, the next one tried is the
     fastest candidate (planned for `TRIAL_FRACTIONS` of the budget, then for
     the lowest peak) whose prediction, scaled by the last measured-to-predicted
-    ratio, fits with room; the plan of lowest predicted peak is the last
-    resort. At most `max_trials` plans are measured
+    ratio, fits with room; the last resorts are the plan of lowest predicted
+    peak, then `every_unit(first)` (every unit recomputed on its own: the
+    prediction that put the first plan over the budget may rank plans wrong
+    too). At most `max_trials` plans are measured
     (`PlanInstallation.measure_peak`, which leaves every variable as it was).
     When none of them has room, `unplanned(first)` (the step without
     recomputation or offload) is measured too: recomputation does not lower
@@ -258,6 +264,9 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         unplanned: `unplanned(plan)` is `plan` without segments or offloads
             (same updates and order), measured when no plan has room; None
             measures no such plan.
+        every_unit: `every_unit(plan)` is `plan` recomputing every unit on its
+            own (see `every_unit`), or None when there is no such plan; None
+            tries no such plan.
 
     Returns:
         The chosen plan; its estimate details hold `"measured_peak_bytes"` and
@@ -270,17 +279,18 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     """
     budget = first.budget_bytes
     roomy = budget / (1 + MEASURED_SPREAD)  # a measured peak with room for its spread
-    candidates = _candidates(first, make)
+    candidates, resorts = _candidates(first, make, every_unit)
     trials: list[tuple[Plan, int]] = []
     ratio = 1.0
     while candidates and len(trials) < max(1, max_trials):
         if not trials:
-            plan = candidates.pop(0)
+            plan = candidates[0]
         else:
             fitting = [p for p in candidates if p.peak_bytes * ratio <= roomy]
             last_chance = len(trials) == max_trials - 1
-            plan = fitting[0] if fitting and not last_chance else candidates[-1]
-            candidates.remove(plan)
+            left = [p for p in resorts if any(p is c for c in candidates)]
+            plan = fitting[0] if fitting and not last_chance else (left or candidates[::-1])[0]
+        candidates = [p for p in candidates if p is not plan]
         measured = _trial(model, plan, budget, batch_size, sample)
         trials.append((plan, measured))
         if measured <= roomy:
@@ -291,7 +301,7 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         trials.append((bare, _trial(model, bare, budget, batch_size, sample)))
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
                "overhead": p.estimates.overhead if p.estimates else 0.0,
-               "unplanned": not (p.segments or p.offloaded)}
+               "unplanned": not (p.segments or p.offloaded), "planner": p.planner}
               for p, m in trials]
     fitting = [(p, m) for p, m in trials if m <= budget]
     with_room = [(p, m) for p, m in fitting if m <= roomy]
@@ -306,14 +316,21 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         error = BudgetError(
             budget, math.ceil(measured * (1 + MEASURED_SPREAD)), first.planner,
             f"Measured {len(trials)} plan(s) on the device: "
-            + ", ".join(f"{'without recomputation, ' if r['unplanned'] else ''}"
-                        f"predicted {r['predicted_bytes'] / MIB:.1f} MiB -> measured "
-                        f"{r['measured_bytes'] / MIB:.1f} MiB" for r in record)
+            + ", ".join(trial_text(r, "-> measured") for r in record)
             + f". The stated minimum is the lowest measured peak plus "
               f"{MEASURED_SPREAD:.0%}, the spread of one plan measured again.")
         error.measured_plan = chosen
         raise error
     return chosen
+
+
+def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
+    """One trial of a plan's estimate details (`"trials"`) in words."""
+    kind = ("without recomputation, " if trial.get("unplanned") else
+            "every unit recomputed on its own, " if trial.get("planner") == "every-unit"
+            else "")
+    return (f"{kind}predicted {trial['predicted_bytes'] / MIB:.1f} MiB {arrow} "
+            f"{trial['measured_bytes'] / MIB:.1f} MiB")
 
 
 def unplanned(graph: PlanGraph, like: Plan) -> Plan:
@@ -324,6 +341,22 @@ def unplanned(graph: PlanGraph, like: Plan) -> Plan:
     bare.estimates = simulate(graph, bare).plan_estimate(
         note="No recomputation or offload: no plan measured lower.")
     return bare
+
+
+def every_unit(graph: PlanGraph, like: Plan) -> Plan | None:
+    """`like` recomputing every unit on its own (`every_unit_segments`), without
+    offloads (its updates and order kept), predicted for `graph`; None when no
+    node keeps tensors of its own for its backward pass."""
+    segments = every_unit_segments(graph)
+    if not segments:
+        return None
+    plan = dataclasses.replace(like, planner="every-unit",
+                               segments=[Segment(s) for s in segments], offloaded=[],
+                               estimates=None)
+    plan.estimates = simulate(graph, plan).plan_estimate(
+        note="Every unit recomputed on its own: a last resort when the plan of lowest "
+             "predicted peak measured over the budget.")
+    return plan
 
 
 def _trial(model: keras.Model, plan: Plan, budget: int, batch_size: int | None,
@@ -340,7 +373,8 @@ def _trial(model: keras.Model, plan: Plan, budget: int, batch_size: int | None,
 
 def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., Plan], *,
                    batch_size: int | None = None, sample: Any = None,
-                   unplanned: Callable[[Plan], Plan] | None = None) -> Plan:
+                   unplanned: Callable[[Plan], Plan] | None = None,
+                   every_unit: Callable[[Plan], Plan | None] | None = None) -> Plan:
     """Measures the plan of lowest predicted peak when its prediction is over budget.
 
     A predicted minimum is only as good as the prediction: a second run at a
@@ -354,15 +388,17 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
         batch_size: Batch size, when shapes come from `model.inputs`.
         sample: One batch `(x, y)` or a `tf.data.Dataset`.
         unplanned: As for `measured_choice`.
+        every_unit: As for `measured_choice`: measured when the plan of lowest
+            predicted peak measures over the budget.
 
     Returns:
-        That plan (or the one without segments or offloads, when it measures
-        lower), when it measures within the budget after all (its
+        That plan (or `every_unit`'s, or the one without segments or offloads,
+        when it measures lower), when it measures within the budget after all (its
         estimate details hold `"trials"`, as `measured_choice`'s).
 
     Raises:
-        BudgetError: it measures over the budget; the minimum stated is its
-            measured peak plus `MEASURED_SPREAD` (`error` itself when no plan
+        BudgetError: it measures over the budget; the minimum stated is the
+            lowest measured peak plus `MEASURED_SPREAD` (`error` itself when no plan
             of that peak can be made). Raised without a `measured_plan`: the
             budget is out of reach by prediction and measurement alike.
     """
@@ -371,10 +407,11 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
     except BudgetError:
         raise error from None
     lowest.budget_bytes = error.budget_bytes
-    try:  # one trial, of `lowest` (every other budget would plan it again)
+    try:  # `lowest` (every other budget would plan it again), then `every_unit`'s
         return measured_choice(model, lowest, lambda *_, **__: lowest,
-                               batch_size=batch_size, sample=sample, max_trials=1,
-                               unplanned=unplanned)
+                               batch_size=batch_size, sample=sample,
+                               max_trials=1 if every_unit is None else 2,
+                               unplanned=unplanned, every_unit=every_unit)
     except BudgetError as measured:
         raise BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,
@@ -383,9 +420,18 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
         ) from None
 
 
-def _candidates(first: Plan, make: Callable[..., Plan]) -> list[Plan]:
-    """`first`, plans for lower budgets and the plan of lowest predicted peak,
-    each once, least predicted overhead first (the lowest peak last)."""
+def _candidates(first: Plan, make: Callable[..., Plan],
+                every_unit: Callable[[Plan], Plan | None] | None = None
+                ) -> tuple[list[Plan], list[Plan]]:
+    """The plans `measured_choice` may measure, and its last resorts.
+
+    Returns:
+        `first`, plans for lower budgets, the plan of lowest predicted peak and
+        `every_unit(first)`, each once, in that order (the plans for lower
+        budgets least predicted overhead first); and the last resorts among
+        them, in the order they are tried: the plan of lowest predicted peak,
+        then `every_unit(first)` (`first` itself is never a last resort).
+    """
     budget = first.budget_bytes
     plans = [first]
     for fraction in TRIAL_FRACTIONS:
@@ -397,15 +443,16 @@ def _candidates(first: Plan, make: Callable[..., Plan]) -> list[Plan]:
             except BudgetError:
                 pass
             break
+    lowest = min(plans, key=lambda p: p.peak_bytes)
+    by_unit = every_unit(first) if every_unit is not None else None
     unique: dict[str, Plan] = {}
-    for p in plans:
+    for p in [first, lowest, *([by_unit] if by_unit is not None else []), *plans]:
         unique.setdefault(repr((p.segments, p.offloaded)), p)
-    ordered = sorted(unique.values(), key=lambda p: (p.estimates.overhead if p.estimates
-                                                    else 0.0, -p.peak_bytes))
-    lowest = min(ordered, key=lambda p: p.peak_bytes)
-    ordered.remove(lowest)
-    return [first] + [p for p in ordered if p is not first] + (
-        [lowest] if lowest is not first else [])
+    resorts = [p for p in unique.values() if p is not first and (p is lowest or p is by_unit)]
+    others = sorted((p for p in unique.values() if p is not first and all(p is not r for r in resorts)),
+                    key=lambda p: (p.estimates.overhead if p.estimates else 0.0,
+                                   -p.peak_bytes))
+    return [first, *others, *resorts], resorts
 
 
 def chief_plan(local: Plan, graph: PlanGraph) -> Plan:

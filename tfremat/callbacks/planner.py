@@ -411,10 +411,8 @@ class Planner(keras.callbacks.Callback):
             trials = plan.estimates.details.get("trials") if plan.estimates else None
             if trials:
                 io_utils.print_msg(
-                    "tfremat: measured before training: " + "; ".join(
-                        f"{'without recomputation, ' if t.get('unplanned') else ''}"
-                        f"predicted {t['predicted_bytes'] / MIB:.1f} MiB -> "
-                        f"{t['measured_bytes'] / MIB:.1f} MiB" for t in trials)
+                    "tfremat: measured before training: "
+                    + "; ".join(api.trial_text(t) for t in trials)
                     + f" (budget {self.budget_mb:.1f} MiB).")
         if self.export:
             try:

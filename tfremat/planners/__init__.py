@@ -13,9 +13,10 @@ from tfremat.planners.deepq import dqn
 from tfremat.planners.dp import OBJECTIVES, DPTimeout, approx_dp, exact_dp
 from tfremat.planners.registry import PLANNERS, make_plan, min_feasible_budget
 from tfremat.planners.swapping import swap, swap_combined
+from tfremat.planners.toolkit import every_unit_segments
 
 __all__ = [
     "DPTimeout", "OBJECTIVES", "PLANNERS", "approx_dp", "chen_drop_cheap", "chen_greedy",
-    "chen_recursive", "chen_sqrt", "dqn", "exact_dp", "make_plan", "min_feasible_budget",
-    "progress", "swap", "swap_combined",
+    "chen_recursive", "chen_sqrt", "dqn", "every_unit_segments", "exact_dp", "make_plan",
+    "min_feasible_budget", "progress", "swap", "swap_combined",
 ]
