@@ -383,12 +383,12 @@ def every_unit_lower(monkeypatch):
 
 def test_every_unit_on_its_own_recomputes_each_block_that_keeps_tensors():
     graph = blocks_graph()
-    assert every_unit_segments(graph) == [[f"block_{k}" if k else "block"]
-                                              for k in range(6)]
-    plan = api.every_unit(graph, make_plan(graph, 10**12, planner="chen-greedy"))
+    assert every_unit_segments(graph) == [[f"block_{k}" if k else "block"] for k in range(6)]
+    plan = api.every_unit_like(graph, make_plan(graph, 10**12, planner="chen-greedy"))
     assert plan.planner == "every-unit" and len(plan.segments) == 6
+    assert plan.segments == make_plan(graph, 10**12, planner="every-unit").segments
     assert plan.peak_bytes == tfremat.simulate(graph, plan).peak_bytes
-    assert api.every_unit(G.resnet_like(2), make_plan(G.resnet_like(2), 10**12)) is None
+    assert api.every_unit_like(G.resnet_like(2), make_plan(G.resnet_like(2), 10**12)) is None
 
 
 def test_when_the_lowest_plan_measures_over_every_unit_on_its_own_is_tried(
@@ -402,7 +402,7 @@ def test_when_the_lowest_plan_measures_over_every_unit_on_its_own_is_tried(
         return make_plan(graph, b, planner="approx-dp", objective=objective)
 
     chosen = api.measured_choice(None, make(budget), make, unplanned=bare_for(graph),
-                                 every_unit=lambda like: api.every_unit(graph, like))
+                                 every_unit=lambda like: api.every_unit_like(graph, like))
     tried = FakeInstallation.measured
     # The first plan, then the lowest (last resorts come in that order), then it.
     assert len(tried) == 3 and chosen is tried[-1] and chosen.planner == "every-unit"
@@ -425,6 +425,6 @@ def test_a_refused_budget_is_met_by_every_unit_on_its_own_when_that_measures_und
     with pytest.raises(BudgetError) as predicted:
         make(budget)
     chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph),
-                                every_unit=lambda like: api.every_unit(graph, like))
+                                every_unit=lambda like: api.every_unit_like(graph, like))
     assert [p.planner for p in FakeInstallation.measured] == ["approx-dp", "every-unit"]
     assert chosen.planner == "every-unit" and chosen.budget_bytes == budget

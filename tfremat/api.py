@@ -186,7 +186,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             return unplanned(graph, like)
 
         def by_unit(like: Plan) -> Plan | None:
-            return every_unit(graph, like)
+            return every_unit_like(graph, like)
 
         try:
             result = make(int(budget_mb * MIB))
@@ -265,8 +265,8 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
             (same updates and order), measured when no plan has room; None
             measures no such plan.
         every_unit: `every_unit(plan)` is `plan` recomputing every unit on its
-            own (see `every_unit`), or None when there is no such plan; None
-            tries no such plan.
+            own (see `every_unit_like`), or None when there is no such plan;
+            None tries no such plan.
 
     Returns:
         The chosen plan; its estimate details hold `"measured_peak_bytes"` and
@@ -343,10 +343,10 @@ def unplanned(graph: PlanGraph, like: Plan) -> Plan:
     return bare
 
 
-def every_unit(graph: PlanGraph, like: Plan) -> Plan | None:
-    """`like` recomputing every unit on its own (`every_unit_segments`), without
-    offloads (its updates and order kept), predicted for `graph`; None when no
-    node keeps tensors of its own for its backward pass."""
+def every_unit_like(graph: PlanGraph, like: Plan) -> Plan | None:
+    """`like` recomputing every unit on its own (the "every-unit" planner's
+    segments), without offloads (its updates and order kept), predicted for
+    `graph`; None when no node keeps tensors of its own for its backward pass."""
     segments = every_unit_segments(graph)
     if not segments:
         return None

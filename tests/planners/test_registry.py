@@ -31,7 +31,8 @@ GRAPHS = {
 
 def test_registry_names_the_planners():
     assert set(PLANNERS) == {"chen-sqrt", "chen-greedy", "chen-drop-cheap",
-                             "chen-recursive", "exact-dp", "approx-dp", "swap", "dqn"}
+                             "chen-recursive", "exact-dp", "approx-dp", "swap", "dqn",
+                             "every-unit"}
 
 
 @pytest.mark.parametrize("graph_name", sorted(GRAPHS))
@@ -70,7 +71,7 @@ def test_auto_budget_error_carries_the_minimum_across_planners():
     with pytest.raises(BudgetError) as info:
         make_plan(graph, minimum - 1)
     assert info.value.min_budget_mb == minimum / MIB
-    assert "approx-dp" in str(info.value) and "chen-recursive" in str(info.value)
+    assert all(name in str(info.value) for name in ("approx-dp", "chen-recursive", "every-unit"))
     plan = make_plan(graph, minimum)
     assert plan.peak_bytes <= minimum
     # Nesting where the peak occurs reaches below one level of segments on a chain.

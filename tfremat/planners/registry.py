@@ -12,6 +12,7 @@ from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
 from tfremat.planners.deepq import dqn
 from tfremat.planners.dp import OBJECTIVES, DPTimeout, approx_dp, exact_dp
+from tfremat.planners.per_unit import every_unit
 from tfremat.planners.swapping import swap, swap_combined
 from tfremat.simulation import simulate
 
@@ -24,6 +25,7 @@ PLANNERS: dict[str, Callable[..., Plan]] = {
     "approx-dp": approx_dp,
     "swap": swap,
     "dqn": dqn,
+    "every-unit": every_unit,
 }
 
 #: Graphs with at most this many nodes also get the exact DP under "auto".
@@ -49,7 +51,9 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     the exact DP on graphs of at most `EXACT_DP_MAX_NODES` nodes), Chen's
     greedy and sqrt(n) plans: the one that fits with the least extra compute
     wins. When none fits, `chen-recursive` (nested segments reach below one
-    level of segments) and, for `objective="memory"`, the time-centric DPs,
+    level of segments), every unit on its own (`every_unit`: the DPs' cost
+    model can miss it, e.g. on a Transformer block where each layer keeps
+    tensors of its own) and, for `objective="memory"`, the time-centric DPs,
     again the cheapest that fits (a time-centric DP that misses has already
     tried the memory-centric plans). When none fits and `offload` is on, the
     last step offloads activations to host memory on top of recompute plans
@@ -181,7 +185,8 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
     # time-centric DP that misses has tried the memory-centric plans already.
     second = (([dp("approx-dp", other)] + ([dp("exact-dp", other)] if small else []))
               if objective == "memory" else []) + [
-        ("chen-recursive", lambda b: chen_recursive(graph, b))]
+        ("chen-recursive", lambda b: chen_recursive(graph, b)),
+        ("every-unit", lambda b: every_unit(graph, b))]
     minimum = est.peak_bytes
     tried: list[str] = []
     answered: list[Callable[[int], Plan]] = []  # attempts that did not time out

@@ -199,26 +199,6 @@ def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list
         sets = [[n for n in p if n not in broken] for p in pieces]
 
 
-def every_unit_segments(graph: PlanGraph) -> list[list[str]]:
-    """One segment per node that keeps tensors of its own for its backward pass
-    (`internal_saved_bytes`): what `tf.recompute_grad` around every block does.
-
-    On a subclassed model whose sublayers are blocks this is the plan users
-    write by hand, and it can measure below the plan of lowest predicted peak:
-    the `tests/setups` subclassed model's lowest plan (four of its six blocks)
-    was predicted at 155.5 MiB and measured 165.4, every block at 164.4 and
-    155.6. `tfremat.api.measured_choice` measures it as a last resort.
-
-    Args:
-        graph: The PlanGraph.
-
-    Returns:
-        Valid segments (see `valid_segments`), possibly none.
-    """
-    return valid_segments(graph, [[n.id] for n in graph.nodes
-                                  if not n.is_input and n.internal_saved_bytes])
-
-
 def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
                 planner: str, budget_bytes: int | None, settings: dict[str, Any],
                 details: dict[str, Any] | None = None) -> Plan:
