@@ -3,6 +3,7 @@
 import pytest
 
 from tests.marks import needs_graphviz
+from tests.planners import graphs as G
 from tests.simulation.test_simulator import chain, fig2_graph
 from tfremat import Plan, Segment
 from tfremat import export
@@ -63,6 +64,16 @@ def test_summary_lists_segments_and_estimates():
     assert "Plan for \"model\" by manual" in text
     assert "segment 0" in text and "segment 1" in text and "1 nested" in text
     assert "Predicted peak" in text and "Extra compute" in text
+
+
+def test_a_segment_does_not_keep_what_its_calls_keep_inside():
+    """A subclassed block recomputed on its own keeps its output (the next block
+    reads it) but not its intermediates: the summary once said 0 KiB."""
+    g = G.subclassed_blocks()  # each block keeps 3 MiB inside, 1 MiB output
+    plan = Plan.from_segments(g, [["block_1"]], planner="manual")
+    assert "segment 0      1 layers      3.0 MiB  block_1 .. block_1" in export.summary(
+        g, plan)
+    assert "1 layers, 3.0 MiB not kept" in export.to_pydot(g, plan).to_string()
 
 
 def test_summary_of_an_empty_plan_says_nothing_to_do():

@@ -349,18 +349,6 @@ def test_a_refused_budget_states_the_peak_without_a_plan_when_that_measures_lowe
     assert len(FakeInstallation.measured) == 2
 
 
-def blocks_graph():
-    """A subclassed model of six blocks, each keeping tensors of its own for its
-    backward pass (one node per block call)."""
-    b = G.Builder("blocks")
-    x = b.input(1.0)
-    for _ in range(6):
-        x = b.layer("Block", [x], mib=1.0, cost=100.0, params=4096, saved_mib=3.0)
-    graph = b.graph([x], persistent_mib=1.0)
-    graph.metadata["subclassed"] = True
-    return graph
-
-
 class EveryUnitMeasuresLower(FakeInstallation):
     """Plans of the planners measure 1.2x the budget, every unit recomputed 0.8x:
     the prediction ranked them the wrong way round (the `tests/setups`
@@ -382,7 +370,7 @@ def every_unit_lower(monkeypatch):
 
 
 def test_every_unit_on_its_own_recomputes_each_block_that_keeps_tensors():
-    graph = blocks_graph()
+    graph = G.subclassed_blocks()
     assert every_unit_segments(graph) == [[f"block_{k}" if k else "block"] for k in range(6)]
     plan = api.every_unit_like(graph, make_plan(graph, 10**12, planner="chen-greedy"))
     assert plan.planner == "every-unit" and len(plan.segments) == 6
@@ -393,7 +381,7 @@ def test_every_unit_on_its_own_recomputes_each_block_that_keeps_tensors():
 
 def test_when_the_lowest_plan_measures_over_every_unit_on_its_own_is_tried(
         every_unit_lower):
-    graph = blocks_graph()
+    graph = G.subclassed_blocks()
     plain = tfremat.simulate(graph).peak_bytes
     budget = every_unit_lower.budget = int(
         (plain + predicted_floor_bytes(graph)) / 2)  # predicted to fit
@@ -415,7 +403,7 @@ def test_when_the_lowest_plan_measures_over_every_unit_on_its_own_is_tried(
 
 def test_a_refused_budget_is_met_by_every_unit_on_its_own_when_that_measures_under(
         every_unit_lower):
-    graph = blocks_graph()
+    graph = G.subclassed_blocks()
     floor = predicted_floor_bytes(graph)
     budget = every_unit_lower.budget = int(floor * 0.95)
 

@@ -31,14 +31,17 @@ _NO_GRAPHVIZ = (
 
 
 def _dropped_bytes(graph: PlanGraph, seg: Segment) -> int:
-    """Bytes of a segment's outputs that nothing outside it reads: not kept."""
+    """Bytes a segment does not keep for the backward pass: its calls' outputs
+    that nothing outside it reads, and the tensors its calls would keep inside
+    (`Node.internal_saved_bytes`, e.g. a subclassed block's intermediates)."""
     inside = set(seg.nodes)
     consumers = graph.consumers()
     return sum(
         graph.node(n).outputs[i].bytes
         for n in seg.nodes for i in range(len(graph.node(n).outputs))
         if f"{n}:{i}" not in graph.outputs
-        and all(c in inside for c in consumers[f"{n}:{i}"]))
+        and all(c in inside for c in consumers[f"{n}:{i}"])) + sum(
+        graph.node(n).internal_saved_bytes for n in seg.nodes)
 
 
 def _mib(nbytes: float) -> str:

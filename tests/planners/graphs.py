@@ -1,5 +1,5 @@
 """Synthetic PlanGraphs for planner tests: chains, residual blocks, U-Net skips,
-DenseNet concatenations, shared layers and random DAGs.
+DenseNet concatenations, shared layers, subclassed blocks and random DAGs.
 
 Sizes are in MiB-scale float32 tensors so budgets read naturally in MiB.
 """
@@ -89,6 +89,18 @@ def resnet_like(blocks: int, mib: float = 1.0, bn_saved_mib: float = 0.0) -> Pla
         x = b.layer("Add", [h, x], mib=mib, cost=0.2 * mib, reads="none")
         x = b.layer("ReLU", [x], mib=mib, cost=0.5 * mib, reads="output")
     return b.graph([x], persistent_mib=4.0)
+
+
+def subclassed_blocks(blocks: int = 6) -> PlanGraph:
+    """A subclassed model of blocks (one node per block call, `metadata
+    ["subclassed"]`), each keeping 3 MiB of its own for its backward pass."""
+    b = Builder("blocks")
+    x = b.input(1.0)
+    for _ in range(blocks):
+        x = b.layer("Block", [x], mib=1.0, cost=100.0, params=4096, saved_mib=3.0)
+    graph = b.graph([x], persistent_mib=1.0)
+    graph.metadata["subclassed"] = True
+    return graph
 
 
 def unet_like(depth: int, mib: float = 4.0) -> PlanGraph:
