@@ -176,7 +176,7 @@ def test_a_refused_budget_states_a_measured_minimum_that_is_met(fake_measure):
     110.8 MiB and measured 126-134)."""
     graph = G.resnet_like(8)
     floor = predicted_floor_bytes(graph)
-    with pytest.raises(BudgetError, match="lowest predicted peak .* was measured") as caught:
+    with pytest.raises(BudgetError, match="lowest predicted peak .* were measured") as caught:
         floor_for(graph, int(floor * 0.9))
     minimum = caught.value.min_budget_bytes
     assert minimum == math.ceil(int(floor * 1.3) * (1 + api.MEASURED_SPREAD))
@@ -346,7 +346,10 @@ def test_a_refused_budget_states_the_peak_without_a_plan_when_that_measures_lowe
         api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph))
     assert caught.value.min_budget_bytes == math.ceil(
         int(budget * 1.1) * (1 + api.MEASURED_SPREAD))
-    assert len(FakeInstallation.measured) == 2
+    tried = FakeInstallation.measured  # the lowest plan, plans near it, no plan
+    assert tried[0].peak_bytes == floor and not tried[-1].segments
+    assert all(p.segments for p in tried[:-1]) and 2 < len(tried) <= 2 + len(
+        api.FLOOR_LADDER)
 
 
 class EveryUnitMeasuresLower(FakeInstallation):
@@ -414,5 +417,42 @@ def test_a_refused_budget_is_met_by_every_unit_on_its_own_when_that_measures_und
         make(budget)
     chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph),
                                 every_unit=lambda like: api.every_unit_like(graph, like))
-    assert [p.planner for p in FakeInstallation.measured] == ["approx-dp", "every-unit"]
+    # The lowest plan, the plans near it (all measured over), then every unit.
+    planners = [p.planner for p in FakeInstallation.measured]
+    assert planners[-1] == "every-unit" and set(planners[:-1]) == {"approx-dp"}
+    assert FakeInstallation.measured[0].peak_bytes == floor
     assert chosen.planner == "every-unit" and chosen.budget_bytes == budget
+
+
+class LowestMeasuresHighest(FakeInstallation):
+    """The plan of lowest predicted peak measures 1.4x its prediction, the others
+    0.7x (a GPT-style model's lowest plan: predicted 113.9 MiB, measured 151.3;
+    the plan for 140.0 MiB measured 130.3)."""
+
+    floor = 0
+
+    def measure_peak(self, **kwargs):
+        FakeInstallation.measured.append(self.plan)
+        return int(self.plan.peak_bytes * (1.4 if self.plan.peak_bytes == self.floor else 0.7))
+
+
+def test_a_refused_budget_measures_plans_near_the_floor_when_the_lowest_measures_high(
+        monkeypatch):
+    FakeInstallation.measured = []
+    monkeypatch.setattr(api, "PlanInstallation", LowestMeasuresHighest)
+    graph = G.resnet_like(8)
+    floor = LowestMeasuresHighest.floor = predicted_floor_bytes(graph)
+    plain = tfremat.simulate(graph).peak_bytes
+
+    def make(b, objective="time"):
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    rung = make(round(floor + api.FLOOR_LADDER[0] * (plain - floor)))
+    budget = int(floor * 0.99)
+    assert rung.peak_bytes * 0.7 * (1 + api.MEASURED_SPREAD) < budget  # it has room
+    with pytest.raises(BudgetError) as predicted:
+        make(budget)
+    chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph))
+    assert [p.peak_bytes for p in FakeInstallation.measured] == [floor, rung.peak_bytes]
+    assert chosen.segments == rung.segments and chosen.budget_bytes == budget
+    assert chosen.estimates.details["measured_peak_bytes"] == int(rung.peak_bytes * 0.7)

@@ -1,0 +1,236 @@
+"""Transformers: tfremat against each block wrapped in `keras.remat` by hand.
+
+A GPT-style language model (issue #12's: Embedding 4000x256, 4 pre-norm blocks
+of causal MultiHeadAttention with 4 heads + MLP 1024, 256 tokens, batch 8) and
+a ViT (64 px images in 8 px patches, the same blocks without the causal mask,
+batch 32), both trained with SGD. For each, in its own process: the plain step;
+each block wrapped in `keras.remat` by hand (what an expert writes; exact here,
+as the blocks have no BatchNorm or dropout); tfremat's plan for the hand
+version's measured peak and its lowest plan, both chosen with `measure=True`
+as the `Planner` does; and tfremat's `every-unit` plan. Peaks: the allocator's
+peak of one SGD step (weights and batch included), median of `--repeats`
+steps, each variant with no other step function alive (`planners.py`'s
+`alone_peak_bytes`). Step times: every variant's step run alternately in one
+process, median of `--steps`, as a ratio to the plain step.
+
+Usage:
+    python benchmarks/transformers.py [--models GPT,ViT] [--repeats 5] [--steps 6]
+
+Writes benchmarks/results/transformers.md and transformers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planners import RESULTS, Runner, alone_peak_bytes, step_seconds  # noqa: E402
+
+MIB = 2**20
+
+#: name -> (tokens per example, batch size).
+MODELS = {"GPT": (256, 8), "ViT": (64, 32)}
+DIM, HEADS, MLP, BLOCKS, VOCAB, IMAGE, PATCH, CLASSES = 256, 4, 1024, 4, 4000, 64, 8, 10
+
+
+def block_layers(name: str) -> dict[str, Any]:
+    import keras
+
+    return {"ln1": keras.layers.LayerNormalization(name=f"{name}_ln1"),
+            "attn": keras.layers.MultiHeadAttention(HEADS, DIM // HEADS, name=f"{name}_attn"),
+            "ln2": keras.layers.LayerNormalization(name=f"{name}_ln2"),
+            "mlp1": keras.layers.Dense(MLP, activation="gelu", name=f"{name}_mlp1"),
+            "mlp2": keras.layers.Dense(DIM, name=f"{name}_mlp2")}
+
+
+def block(layers: dict[str, Any], x: Any, causal: bool) -> Any:
+    """A pre-norm transformer block: attention, then MLP, each added to its input."""
+    h = layers["ln1"](x)
+    x = x + layers["attn"](h, h, use_causal_mask=causal)
+    return x + layers["mlp2"](layers["mlp1"](layers["ln2"](x)))
+
+
+def build(name: str, hand: bool) -> tuple[Any, int]:
+    """The compiled model and its batch size: the blocks' layers inline, or with
+    `hand` each block a layer whose call runs in `keras.remat`."""
+    import keras
+
+    class Block(keras.layers.Layer):
+        def __init__(self, causal: bool, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.causal = causal
+            self.parts = block_layers(self.name)
+            run = lambda x: block(self.parts, x, self.causal)  # noqa: E731
+            self.run = keras.remat(run) if hand else run
+
+        def call(self, x: Any) -> Any:
+            return self.run(x)
+
+    class Positions(keras.layers.Layer):
+        def build(self, input_shape: Any) -> None:
+            self.table = self.add_weight(shape=tuple(input_shape[1:]), name="table")
+
+        def call(self, x: Any) -> Any:
+            return x + self.table
+
+    keras.utils.set_random_seed(0)
+    tokens, batch = MODELS[name]
+    if name == "GPT":
+        inp = keras.Input((tokens,), dtype="int32", name="tokens")
+        x = Positions(name="positions")(keras.layers.Embedding(VOCAB, DIM, name="embed")(inp))
+    else:
+        inp = keras.Input((IMAGE, IMAGE, 3), name="image")
+        x = keras.layers.Conv2D(DIM, PATCH, strides=PATCH, name="patches")(inp)
+        x = Positions(name="positions")(keras.layers.Reshape((tokens, DIM))(x))
+    for b in range(BLOCKS):
+        if hand:
+            x = Block(name == "GPT", name=f"block{b}")(x)
+        else:  # the layers inline, as tfremat sees them
+            x = block(block_layers(f"block{b}"), x, name == "GPT")
+    x = keras.layers.LayerNormalization(name="ln_out")(x)
+    if name == "GPT":
+        out = keras.layers.Dense(VOCAB, name="logits")(x)
+    else:
+        out = keras.layers.Dense(CLASSES, name="logits")(
+            keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inp, out, name=name.lower())
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, batch
+
+
+def sample(model: Any, batch: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    if model.name == "gpt":
+        tokens = rng.integers(0, VOCAB, (batch, MODELS["GPT"][0] + 1)).astype("int32")
+        return tokens[:, :-1], tokens[:, 1:]
+    x = rng.standard_normal((batch, IMAGE, IMAGE, 3)).astype("float32")
+    return x, rng.integers(0, CLASSES, batch).astype("int32")
+
+
+def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
+    """Measures the variants of one model (in this process); the JSON record."""
+    import tfremat
+    from tfremat.core import BudgetError
+
+    model, batch = build(name, hand=False)
+    hand, _ = build(name, hand=True)
+    data = sample(model, batch)
+    graph = tfremat.extract(model, sample=data)
+    rows: dict[str, dict[str, Any]] = {
+        "plain": {"predicted_mib": tfremat.simulate(graph).peak_mb},
+        "keras.remat per block (by hand)": {}}
+    models = {"plain": model, "keras.remat per block (by hand)": hand}
+    for key in models:
+        rows[key]["measured_mib"] = alone_peak_bytes(models[key], batch, repeats) / MIB
+    hand_mib = rows["keras.remat per block (by hand)"]["measured_mib"]
+
+    def add(key: str, plan: Any) -> None:
+        rewritten = tfremat.rewrite(model, plan)
+        rewritten.compile(optimizer=model.optimizer.__class__(0.01), loss=model.loss)
+        models[key] = rewritten
+        rows[key] = {"predicted_mib": plan.peak_bytes / MIB, "planner": plan.planner,
+                     "segments": len(plan.segments),
+                     "trials": plan.estimates.details.get("trials", []),
+                     "measured_mib": alone_peak_bytes(rewritten, batch, repeats) / MIB}
+        print(f"  {key}: {rows[key]}", flush=True)
+
+    try:
+        add("tfremat at the hand version's peak",
+            tfremat.plan(model, hand_mib, graph=graph, sample=data, measure=True))
+    except BudgetError as e:
+        rows["tfremat at the hand version's peak"] = {"error": str(e)}
+    try:
+        tfremat.plan(model, 1.0, graph=graph)
+    except BudgetError as e:
+        floor = e.min_budget_mb
+    try:
+        add("tfremat lowest", tfremat.plan(model, floor, graph=graph, sample=data,
+                                           measure=True, objective="memory"))
+    except BudgetError as e:
+        rows["tfremat lowest"] = {"error": str(e)}
+    add("tfremat every-unit", tfremat.plan(model, 1e6, graph=graph, planner="every-unit"))
+    seconds = step_seconds({k: Runner(m, batch) for k, m in models.items()}, steps)
+    for key, row in rows.items():
+        if key in seconds:
+            row["step_ratio"] = seconds[key] / seconds["plain"]
+    return {"model": name, "batch": batch, "tokens": MODELS[name][0], "nodes": len(graph),
+            "plain_step_s": seconds["plain"], "rows": rows}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = ["# Transformers: tfremat against each block wrapped in `keras.remat` by hand", "",
+             f"Command: `{data['command']}`", "",
+             f"Machine: {data['machine']}. Peaks: allocator peak of one SGD step (weights "
+             f"and batch included), median of {data['repeats']} steps, each variant with no "
+             f"other step function alive. Step time: median of {data['steps']} steps run "
+             "alternately with every other variant in one process, as a ratio to plain. "
+             "tfremat's plans are chosen with `measure=True` (as the `Planner` does).", ""]
+    for rec in data["records"]:
+        lines += [f"## {rec['model']} ({rec['tokens']} tokens, batch {rec['batch']}, "
+                  f"{rec['nodes']} layer calls)", "",
+                  "| variant | measured peak MiB | predicted MiB | step-time ratio | plan |",
+                  "|---|---|---|---|---|"]
+        for key, row in rec["rows"].items():
+            if "error" in row:
+                lines.append(f"| {key} | {row['error'][:160]} | | | |")
+                continue
+            predicted = f"{row['predicted_mib']:.1f}" if "predicted_mib" in row else ""
+            ratio = f"{row['step_ratio']:.2f}x" if "step_ratio" in row else ""
+            plan = (f"{row['planner']}, {row['segments']} segments"
+                    if "planner" in row else "")
+            lines.append(f"| {key} | {row['measured_mib']:.1f} | {predicted} | {ratio} | "
+                         f"{plan} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=5, help="Measured steps per peak.")
+    parser.add_argument("--steps", type=int, default=6, help="Timed steps per variant.")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        with open(args.out, "w") as f:
+            json.dump(run_model(args.worker, args.repeats, args.steps), f)
+        return
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        parser.error(f"Unknown model(s) {unknown}; choose from {list(MODELS)}.")
+    data: dict[str, Any] = {
+        "command": "python " + " ".join(["benchmarks/transformers.py", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                   f"{platform.python_version()}, TensorFlow CPU",
+        "repeats": args.repeats, "steps": args.steps, "records": []}
+    for name in names:
+        print(f"{name}:", flush=True)
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            subprocess.run([sys.executable, __file__, "--worker", name, "--out", tmp.name,
+                            "--repeats", str(args.repeats), "--steps", str(args.steps)],
+                           check=True)
+            with open(tmp.name) as f:
+                data["records"].append(json.load(f))
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "transformers.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    text = markdown(data)
+    with open(os.path.join(RESULTS, "transformers.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
