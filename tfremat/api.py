@@ -226,13 +226,6 @@ TRIAL_STEPS = 5
 #: after the first, before the plan of lowest predicted peak.
 TRIAL_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5)
 
-#: Budgets of the last resorts of `measured_choice` after the plan of lowest
-#: predicted peak, as fractions of the way from that peak up to the predicted
-#: peak without a plan. The prediction is not off by one ratio: on a GPT-style
-#: model the lowest plan was predicted at 113.9 MiB and measured 151.3, while
-#: the plan for 140.0 MiB measured 130.3.
-FLOOR_LADDER = (0.05, 0.1, 0.2)
-
 
 def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], *,
                     batch_size: int | None = None, sample: Any = None,
@@ -246,22 +239,20 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     step, so a plan fits with room when its measured peak plus that spread is
     within the budget. `first` (planned for the budget) is measured first.
     While the last plan measured has no such room, the next one tried is the
-    fastest plan made for `TRIAL_FRACTIONS` of the budget whose prediction,
-    scaled by the last measured-to-predicted ratio, fits with room; at most
-    `max_trials` plans so. When none has room, the last resorts are measured
-    in turn until one has (the prediction that put the plans over the budget
-    is not off by one ratio, so it may rank them wrong): the plan of lowest
-    predicted peak, plans for budgets `FLOOR_LADDER` of the way from its peak
-    up to the peak without a plan, and `every_unit(first)` (every unit
-    recomputed on its own). Then `unplanned(first)` (the step without
-    recomputation or offload): recomputation does not lower every measured
-    peak (not where the peak is one convolution's backward scratch), and no
-    plan is trained that measures above none. Plans are measured by
-    `PlanInstallation.measure_peak`, which leaves every variable as it was.
+    fastest candidate (planned for `TRIAL_FRACTIONS` of the budget, then for
+    the lowest peak) whose prediction, scaled by the last measured-to-predicted
+    ratio, fits with room; the last resorts are the plan of lowest predicted
+    peak, then `every_unit(first)` (every unit recomputed on its own: the
+    prediction that put the first plan over the budget may rank plans wrong
+    too). At most `max_trials` plans are measured
+    (`PlanInstallation.measure_peak`, which leaves every variable as it was).
+    When none of them has room, `unplanned(first)` (the step without
+    recomputation or offload) is measured too: recomputation does not lower
+    every measured peak (not where the peak is one convolution's backward
+    scratch), and no plan is trained that measures above none.
     The first plan tried that fits with room is chosen (`unplanned` last);
     when none does, the one of lowest measured peak among those within the
-    budget. The same plans are measured in the same order when planned again
-    for a BudgetError's minimum, so that minimum is met.
+    budget.
 
     Args:
         model: The compiled model.
@@ -269,10 +260,10 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         make: `make(budget_bytes, objective=...)` plans for another budget.
         batch_size: Batch size, when shapes come from `model.inputs`.
         sample: One batch `(x, y)` or a `tf.data.Dataset`.
-        max_trials: Most plans measured before the last resorts.
+        max_trials: Most plans measured, `unplanned` aside.
         unplanned: `unplanned(plan)` is `plan` without segments or offloads
-            (same updates and order), measured when no plan has room (and
-            whose prediction tops the ladder); None measures no such plan.
+            (same updates and order), measured when no plan has room; None
+            measures no such plan.
         every_unit: `every_unit(plan)` is `plan` recomputing every unit on its
             own (see `every_unit_like`), or None when there is no such plan;
             None tries no such plan.
@@ -288,39 +279,26 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     """
     budget = first.budget_bytes
     roomy = budget / (1 + MEASURED_SPREAD)  # a measured peak with room for its spread
-    candidates, lowest = _candidates(first, make)
+    candidates, resorts = _candidates(first, make, every_unit)
     trials: list[tuple[Plan, int]] = []
-    measured_keys: set[str] = set()
-
-    def measure(plan: Plan) -> int:
-        measured_keys.add(_key(plan))
-        trials.append((plan, _trial(model, plan, budget, batch_size, sample)))
-        return trials[-1][1]
-
     ratio = 1.0
-    plan: Plan | None = first
-    while plan is not None and len(trials) < max(1, max_trials):
+    while candidates and len(trials) < max(1, max_trials):
+        if not trials:
+            plan = candidates[0]
+        else:
+            fitting = [p for p in candidates if p.peak_bytes * ratio <= roomy]
+            last_chance = len(trials) == max_trials - 1
+            left = [p for p in resorts if any(p is c for c in candidates)]
+            plan = fitting[0] if fitting and not last_chance else (left or candidates[::-1])[0]
         candidates = [p for p in candidates if p is not plan]
-        measured = measure(plan)
+        measured = _trial(model, plan, budget, batch_size, sample)
+        trials.append((plan, measured))
         if measured <= roomy:
             break
         ratio = measured / max(plan.peak_bytes, 1)
-        plan = next((p for p in candidates if p.peak_bytes * ratio <= roomy), None)
-    for resort in _resorts(lowest, make, unplanned, every_unit):
-        if any(m <= roomy for _, m in trials):
-            break
-        if _key(resort) not in measured_keys:
-            resort.budget_bytes = budget
-            measure(resort)
     if unplanned is not None and not any(m <= roomy for _, m in trials):
-        measure(unplanned(first))
-    return _conclude(trials, budget, first.planner)
-
-
-def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan:
-    """The plan `measured_choice` chooses among `(plan, measured peak)` trials
-    (see there), its measurements recorded, or its BudgetError."""
-    roomy = budget / (1 + MEASURED_SPREAD)
+        bare = unplanned(first)
+        trials.append((bare, _trial(model, bare, budget, batch_size, sample)))
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
                "overhead": p.estimates.overhead if p.estimates else 0.0,
                "unplanned": not (p.segments or p.offloaded), "planner": p.planner}
@@ -336,7 +314,7 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan
     chosen.budget_bytes = budget
     if not fitting:
         error = BudgetError(
-            budget, math.ceil(measured * (1 + MEASURED_SPREAD)), planner,
+            budget, math.ceil(measured * (1 + MEASURED_SPREAD)), first.planner,
             f"Measured {len(trials)} plan(s) on the device: "
             + ", ".join(trial_text(r, "-> measured") for r in record)
             + f". The stated minimum is the lowest measured peak plus "
@@ -393,20 +371,15 @@ def _trial(model: keras.Model, plan: Plan, budget: int, batch_size: int | None,
     return measured
 
 
-
-
 def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., Plan], *,
                    batch_size: int | None = None, sample: Any = None,
                    unplanned: Callable[[Plan], Plan] | None = None,
                    every_unit: Callable[[Plan], Plan | None] | None = None) -> Plan:
-    """Measures plans near the predicted floor when the budget is below it.
+    """Measures the plan of lowest predicted peak when its prediction is over budget.
 
     A predicted minimum is only as good as the prediction: a second run at a
     stated minimum must meet it, so with `measure=True` the minimum stated is
-    measured too. The plan of lowest predicted peak is measured first, then
-    plans for the budgets of `FLOOR_LADDER`, then `every_unit`'s plan, until
-    one fits the budget with room for its spread (`measured_choice`); when
-    none does, the step without a plan too.
+    measured too.
 
     Args:
         model: The compiled model.
@@ -414,93 +387,72 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
         make: `make(budget_bytes, objective=...)` plans for another budget.
         batch_size: Batch size, when shapes come from `model.inputs`.
         sample: One batch `(x, y)` or a `tf.data.Dataset`.
-        unplanned: As for `measured_choice`; its prediction also tops the ladder
-            (without it, only the lowest plan and `every_unit`'s are measured).
-        every_unit: As for `measured_choice`.
+        unplanned: As for `measured_choice`.
+        every_unit: As for `measured_choice`: measured when the plan of lowest
+            predicted peak measures over the budget.
 
     Returns:
-        The plan chosen as `measured_choice` chooses, when one measures within
-        the budget after all (its estimate details hold `"trials"`).
+        That plan (or `every_unit`'s, or the one without segments or offloads,
+        when it measures lower), when it measures within the budget after all (its
+        estimate details hold `"trials"`, as `measured_choice`'s).
 
     Raises:
-        BudgetError: every plan measures over the budget; the minimum stated is
-            the lowest measured peak plus `MEASURED_SPREAD` (`error` itself when
-            no plan of that peak can be made). Raised without a `measured_plan`:
-            the budget is out of reach by prediction and measurement alike.
+        BudgetError: it measures over the budget; the minimum stated is the
+            lowest measured peak plus `MEASURED_SPREAD` (`error` itself when no plan
+            of that peak can be made). Raised without a `measured_plan`: the
+            budget is out of reach by prediction and measurement alike.
     """
     try:
         lowest = make(error.min_budget_bytes, objective="memory")
     except BudgetError:
         raise error from None
     lowest.budget_bytes = error.budget_bytes
-    try:
-        return measured_choice(model, lowest, make, batch_size=batch_size, sample=sample,
-                               max_trials=1, unplanned=unplanned, every_unit=every_unit)
+    try:  # `lowest` (every other budget would plan it again), then `every_unit`'s
+        return measured_choice(model, lowest, lambda *_, **__: lowest,
+                               batch_size=batch_size, sample=sample,
+                               max_trials=1 if every_unit is None else 2,
+                               unplanned=unplanned, every_unit=every_unit)
     except BudgetError as measured:
         raise BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,
             f"{error.detail} The plan of lowest predicted peak "
-            f"({error.min_budget_bytes / MIB:.1f} MiB) and plans near it were measured: "
-            f"{measured.detail}"
+            f"({error.min_budget_bytes / MIB:.1f} MiB) was measured: {measured.detail}"
         ) from None
 
 
-def _key(plan: Plan) -> str:
-    """What a plan rewrites: plans with the same key run the same step."""
-    return repr((plan.segments, plan.offloaded))
+def _candidates(first: Plan, make: Callable[..., Plan],
+                every_unit: Callable[[Plan], Plan | None] | None = None
+                ) -> tuple[list[Plan], list[Plan]]:
+    """The plans `measured_choice` may measure, and its last resorts.
 
-
-def _candidates(first: Plan, make: Callable[..., Plan]) -> tuple[list[Plan], Plan]:
-    """`first` and plans for `TRIAL_FRACTIONS` of its budget and the floor, each
-    once, the latter least predicted overhead first; and the plan of lowest
-    predicted peak (`make` at the floor its BudgetError states)."""
+    Returns:
+        `first`, plans for lower budgets, the plan of lowest predicted peak and
+        `every_unit(first)`, each once, in that order (the plans for lower
+        budgets least predicted overhead first); and the last resorts among
+        them, in the order they are tried: the plan of lowest predicted peak,
+        then `every_unit(first)` (`first` itself is never a last resort).
+    """
     budget = first.budget_bytes
     plans = [first]
-    for fraction in (*TRIAL_FRACTIONS, 0.0):  # 0: for the floor, if none is below it
+    for fraction in TRIAL_FRACTIONS:
         try:
-            plan = make(int(budget * fraction))
+            plans.append(make(int(budget * fraction)))
         except BudgetError as e:
             try:
-                lowest = make(e.min_budget_bytes, objective="memory")
+                plans.append(make(e.min_budget_bytes, objective="memory"))
             except BudgetError:
-                lowest = min(plans, key=lambda p: p.peak_bytes)
+                pass
             break
-        if fraction:
-            plans.append(plan)
-    else:  # a plan for no budget at all: the floor
-        lowest = plan
-    plans.append(lowest)
+    lowest = min(plans, key=lambda p: p.peak_bytes)
+    by_unit = every_unit(first) if every_unit is not None else None
     unique: dict[str, Plan] = {}
-    for p in plans:
-        unique.setdefault(_key(p), p)
-    others = sorted((p for p in unique.values() if p is not first),
+    for p in [first, lowest, *([by_unit] if by_unit is not None else []), *plans]:
+        unique.setdefault(repr((p.segments, p.offloaded)), p)
+    resorts = [p for p in unique.values() if p is not first and (p is lowest or p is by_unit)]
+    others = sorted((p for p in unique.values() if p is not first and all(p is not r for r in resorts)),
                     key=lambda p: (p.estimates.overhead if p.estimates else 0.0,
                                    -p.peak_bytes))
-    return [first, *others], lowest
-
-
-def _resorts(lowest: Plan, make: Callable[..., Plan],
-             unplanned: Callable[[Plan], Plan] | None,
-             every_unit: Callable[[Plan], Plan | None] | None) -> list[Plan]:
-    """The last resorts of `measured_choice`, in the order they are measured:
-    `lowest`, plans for `FLOOR_LADDER` of the way from its predicted peak up
-    to the peak without a plan (`unplanned`'s prediction), `every_unit`'s."""
-    plans = [lowest]
-    if unplanned is not None:
-        top = unplanned(lowest).peak_bytes
-        for fraction in FLOOR_LADDER:
-            try:
-                plans.append(make(round(lowest.peak_bytes
-                                        + fraction * (top - lowest.peak_bytes))))
-            except BudgetError:
-                continue
-    by_unit = every_unit(lowest) if every_unit is not None else None
-    if by_unit is not None:
-        plans.append(by_unit)
-    unique: dict[str, Plan] = {}
-    for p in plans:
-        unique.setdefault(_key(p), p)
-    return list(unique.values())
+    return [first, *others, *resorts], resorts
 
 
 def chief_plan(local: Plan, graph: PlanGraph) -> Plan:
