@@ -119,9 +119,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             pass, freeing weight gradients as soon as they are used
             (docs/updates-in-backward.md; experimental): False (the default),
             True, or `"auto"` (when the step does not fit as it is, the
-            optimizer allows it and it lowers the simulated peak). Where it cannot be exact (`global_clipnorm`,
-            `LossScaleOptimizer`, gradient accumulation, a custom
-            `train_step`, a `tf.distribute` strategy) the plan says why in
+            optimizer allows it and it lowers the simulated peak). Where it
+            cannot be exact (`global_clipnorm`, `LossScaleOptimizer`, gradient
+            accumulation, a custom `train_step`, a `tf.distribute` strategy)
+            the plan says why in
             `update_note` and updates after the backward pass.
         pin_order: Pin the backward pass to the simulator's order
             (`Plan.pin_order`): each layer's weight gradients before the next
@@ -453,8 +454,10 @@ def _candidates(first: Plan, make: Callable[..., Plan],
     unique: dict[str, Plan] = {}
     for p in [first, lowest, *([by_unit] if by_unit is not None else []), *plans]:
         unique.setdefault(repr((p.segments, p.offloaded)), p)
-    resorts = [p for p in unique.values() if p is not first and (p is lowest or p is by_unit)]
-    others = sorted((p for p in unique.values() if p is not first and all(p is not r for r in resorts)),
+    resorts = [p for p in unique.values()
+               if p is not first and (p is lowest or p is by_unit)]
+    others = sorted((p for p in unique.values()
+                     if p is not first and all(p is not r for r in resorts)),
                     key=lambda p: (p.estimates.overhead if p.estimates else 0.0,
                                    -p.peak_bytes))
     return [first, *others, *resorts], resorts
