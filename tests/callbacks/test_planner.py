@@ -473,3 +473,29 @@ def test_trials_run_on_the_first_batch_of_a_masked_model_with_float_token_ids():
     assert planner.plan.segments
     assert planner.plan.estimates.details["trials"]
     assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_replan_that_keeps_the_plan_leaves_its_trials_out_of_the_epoch_peak(
+        monkeypatch):
+    """A re-plan's trials run steps of other plans (a step without a plan measured
+    44 MiB against a 29 MiB budget); when the re-plan keeps the plan in use, the
+    epoch's peak must still be that of its training steps."""
+    import tensorflow as tf
+
+    x, y = data(2)
+    calls = []
+
+    def empty_then_a_big_trial(model, budget, **kwargs):
+        calls.append(budget)
+        if len(calls) > 1:  # the re-plan: a trial that allocates 256 MiB, freed
+            trial = tf.ones([256 * 2**20 // 4]) + 1.0
+            del trial
+        return tfremat.Plan.from_segments(kwargs["graph"], [], planner="optimistic")
+
+    monkeypatch.setattr(planner_module.api, "plan", empty_then_a_big_trial)
+    planner = tfremat.Planner(1.0, verbose=0, measure=False)  # every step is over
+    with pytest.warns(RuntimeWarning, match="already the lowest"):
+        hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                                callbacks=[planner])
+    assert len(calls) == 2 and planner.replans == 0
+    assert all(p < 128 for p in hist.history["peak_memory_mb"]), hist.history

@@ -516,6 +516,11 @@ class Planner(keras.callbacks.Callback):
                 f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
                 "exceeded. Lower the batch size or raise the budget.",
                 RuntimeWarning, stacklevel=2)
+        if self._stats:
+            # The trials' steps are not training steps: the epoch's peak keeps the
+            # steps before them (`_epoch_peak_mb`), not the trials (a step without a
+            # plan measured 44 MiB against a 29 MiB budget).
+            tf.config.experimental.reset_memory_stats(self.device)
         if _same_rewrite(plan, self.plan):
             self._measuring = False
             warnings.warn(
