@@ -443,6 +443,37 @@ def pareto_plot(records: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def model_names(parser: argparse.ArgumentParser, text: str, known: Any) -> list[str]:
+    """The comma-separated model names of `--models`, each one of `known`."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        parser.error(f"Unknown model(s) {unknown}; choose from {list(known)}.")
+    return names
+
+
+def run_header(script: str, repeats: int, steps: int) -> dict[str, Any]:
+    """The command, machine and settings a benchmark's results record."""
+    return {
+        "command": "python " + " ".join(
+            [f"benchmarks/{os.path.basename(script)}", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                   f"{platform.python_version()}, TensorFlow CPU",
+        "repeats": repeats, "steps": steps, "records": []}
+
+
+def run_worker(script: str, name: str, repeats: int, steps: int,
+               extra: list[str]) -> dict[str, Any]:
+    """Runs `script --worker name` in a process of its own; its JSON record."""
+    print(f"{name}:", flush=True)
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        subprocess.run([sys.executable, script, "--worker", name, "--out", tmp.name,
+                        "--repeats", str(repeats), "--steps", str(steps), *extra],
+                       check=True)
+        with open(tmp.name) as f:
+            return json.load(f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS),
@@ -476,23 +507,12 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(record, f)
         return
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODELS]
-    if unknown:
-        parser.error(f"Unknown model(s) {unknown}; choose from {list(MODELS)}.")
-    data: dict[str, Any] = {
-        "command": "python " + " ".join(["benchmarks/planners.py", *sys.argv[1:]]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}, TensorFlow CPU",
-        "repeats": args.repeats, "steps": args.steps, "records": [], "timings": {}}
+    names = model_names(parser, args.models, MODELS)
+    data = run_header(__file__, args.repeats, args.steps)
+    data["timings"] = {}
     for name in names:
-        print(f"{name}:", flush=True)
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            subprocess.run([sys.executable, __file__, "--worker", name, "--out", tmp.name,
-                            "--repeats", str(args.repeats), "--steps", str(args.steps),
-                            *(["--quick"] if args.quick else [])], check=True)
-            with open(tmp.name) as f:
-                data["records"].append(json.load(f))
+        data["records"].append(run_worker(__file__, name, args.repeats, args.steps,
+                                          ["--quick"] if args.quick else []))
         write_results(data)  # partial results as models finish
     if not args.quick:
         data["timings"] = planner_timings()

@@ -25,14 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
-import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import RESULTS, Runner, alone_peak_bytes, step_seconds  # noqa: E402
+from planners import (RESULTS, Runner, alone_peak_bytes, model_names, run_header,  # noqa: E402
+                      run_worker, step_seconds)
 
 MIB = 2**20
 
@@ -212,23 +210,9 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(run_model(args.worker, args.repeats, args.steps), f)
         return
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODELS]
-    if unknown:
-        parser.error(f"Unknown model(s) {unknown}; choose from {list(MODELS)}.")
-    data: dict[str, Any] = {
-        "command": "python " + " ".join(["benchmarks/transformers.py", *sys.argv[1:]]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}, TensorFlow CPU",
-        "repeats": args.repeats, "steps": args.steps, "records": []}
-    for name in names:
-        print(f"{name}:", flush=True)
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            subprocess.run([sys.executable, __file__, "--worker", name, "--out", tmp.name,
-                            "--repeats", str(args.repeats), "--steps", str(args.steps)],
-                           check=True)
-            with open(tmp.name) as f:
-                data["records"].append(json.load(f))
+    data = run_header(__file__, args.repeats, args.steps)
+    for name in model_names(parser, args.models, MODELS):
+        data["records"].append(run_worker(__file__, name, args.repeats, args.steps, []))
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "transformers.json"), "w") as f:
         json.dump(data, f, indent=1)
