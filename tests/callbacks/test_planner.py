@@ -58,14 +58,27 @@ def light_budget_mb() -> float:
     return plain_predicted - 0.1 * (plain_predicted - lowest)
 
 
+def measured_floor_mb(x, y) -> float:
+    """The lowest budget a plan meets on this machine, as `BudgetError` states
+    it after measuring (the lowest measured peak plus its spread)."""
+    with pytest.raises(tfremat.BudgetError) as err:
+        tfremat.plan(make_model(), 1.0, sample=(x[:BATCH], y[:BATCH]), measure=True)
+    return err.value.min_budget_mb
+
+
 @pytest.fixture(scope="module")
 def budget_mb():
-    """A binding budget, measured and predicted: midway between the lowest
-    feasible one and the plain step's peak (kernel scratch makes the floor
-    machine-dependent)."""
+    """A binding budget, measured and predicted, that a plan meets: midway
+    between the measured floor and the plain step's peak. The floor is measured,
+    not predicted: kernel scratch the simulator does not see puts it at 28.6-31.9
+    MiB on a 2-core CPU where 21.0 MiB is predicted, so a budget midway from the
+    predicted floor (29 MiB) was out of reach on some runs."""
     x, y = data()
     lowest, plain_predicted = predicted_range_mb()
-    return round((min(plain_fit_peak(x, y), plain_predicted) + lowest) / 2)
+    budget = round((min(plain_fit_peak(x, y), plain_predicted)
+                    + max(lowest, measured_floor_mb(x, y))) / 2)
+    assert lowest < budget < plain_predicted, "no binding budget that a plan meets"
+    return budget
 
 
 def test_trains_under_budget_with_the_same_losses(budget_mb, tmp_path):
