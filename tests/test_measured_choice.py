@@ -117,10 +117,11 @@ def test_a_plan_that_fits_without_room_for_its_spread_is_kept_only_as_a_last_res
 
     monkeypatch.setattr(api, "PlanInstallation", Installation)
     chosen = choose(graph, budget, max_trials=max_trials)
-    assert len(measured) == min(max_trials, 2)
+    # The next plan tried (the fastest predicted to fit, or with max_trials spent
+    # the first last resort, the plan of lowest predicted peak) has room.
+    assert len(measured) == 2
     assert chosen is measured[-1]
-    assert chosen.estimates.details["measured_peak_bytes"] == (
-        int(budget * 0.99) if max_trials == 1 else chosen.peak_bytes // 2)
+    assert chosen.estimates.details["measured_peak_bytes"] == chosen.peak_bytes // 2
 
 
 def test_a_budget_the_measurement_cannot_meet_states_a_minimum_that_is_met(fake_measure):
@@ -177,7 +178,7 @@ def test_a_refused_budget_states_a_measured_minimum_that_is_met(fake_measure):
     110.8 MiB and measured 126-134)."""
     graph = G.resnet_like(8)
     floor = predicted_floor_bytes(graph)
-    with pytest.raises(BudgetError, match="lowest predicted peak .* was measured") as caught:
+    with pytest.raises(BudgetError, match="lowest predicted peak .* were measured") as caught:
         floor_for(graph, int(floor * 0.9))
     minimum = caught.value.min_budget_bytes
     assert minimum == math.ceil(int(floor * 1.3) * (1 + api.MEASURED_SPREAD))
@@ -187,13 +188,16 @@ def test_a_refused_budget_states_a_measured_minimum_that_is_met(fake_measure):
     assert int(chosen.peak_bytes * 1.3) <= minimum
 
 
-def test_at_most_max_trials_plans_are_measured(fake_measure):
+def test_max_trials_bounds_the_plans_measured_before_the_last_resorts(fake_measure):
     FakeInstallation.factor = 10.0
     try:
         graph = G.resnet_like(8)
         with pytest.raises(BudgetError):
             choose(graph, int(tfremat.simulate(graph).peak_bytes * 0.7), max_trials=2)
-        assert len(fake_measure.measured) == 2
+        # The first plan; none other is predicted to fit after it measured 10x its
+        # prediction; then the only last resort without `unplanned`: the lowest.
+        first, lowest = fake_measure.measured
+        assert lowest.peak_bytes == predicted_floor_bytes(graph) < first.peak_bytes
     finally:
         FakeInstallation.factor = 1.3
 
@@ -309,12 +313,15 @@ def test_when_no_plan_has_room_the_step_without_one_is_measured_and_chosen_if_it
     chosen = api.measured_choice(None, make(budget), make, max_trials=max_trials,
                                  unplanned=bare_for(graph))
     tried = FakeInstallation.measured
-    assert len(tried) == max_trials + 1 and all(p.segments for p in tried[:-1])
+    # max_trials plans, the last resorts (lowest, plans near it), then no plan,
+    # none of them twice.
+    assert len(tried) > max_trials + 1 and all(p.segments for p in tried[:-1])
+    assert len({api._key(p) for p in tried}) == len(tried)
     assert chosen is tried[-1] and not chosen.segments and chosen.planner == "none"
     assert chosen.budget_bytes == budget
     assert chosen.estimates.details["measured_peak_bytes"] == int(budget * 0.8)
     assert [t["unplanned"] for t in chosen.estimates.details["trials"]] == (
-        [False] * max_trials + [True])
+        [False] * (len(tried) - 1) + [True])
 
 
 def test_the_step_without_a_plan_is_not_measured_when_a_plan_has_room(fake_measure):
@@ -347,7 +354,10 @@ def test_a_refused_budget_states_the_peak_without_a_plan_when_that_measures_lowe
         api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph))
     assert caught.value.min_budget_bytes == math.ceil(
         int(budget * 1.1) * (1 + api.MEASURED_SPREAD))
-    assert len(FakeInstallation.measured) == 2
+    tried = FakeInstallation.measured  # the lowest plan, plans near it, no plan
+    assert tried[0].peak_bytes == floor and not tried[-1].segments
+    assert all(p.segments for p in tried[:-1]) and 2 < len(tried) <= 2 + len(
+        api.FLOOR_LADDER)
 
 
 class EveryUnitMeasuresLower(FakeInstallation):
@@ -415,8 +425,45 @@ def test_a_refused_budget_is_met_by_every_unit_on_its_own_when_that_measures_und
         make(budget)
     chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph),
                                 every_unit=lambda like: api.every_unit_like(graph, like))
-    assert [p.planner for p in FakeInstallation.measured] == ["approx-dp", "every-unit"]
+    # The lowest plan, the plans near it (all measured over), then every unit.
+    planners = [p.planner for p in FakeInstallation.measured]
+    assert planners[-1] == "every-unit" and set(planners[:-1]) == {"approx-dp"}
+    assert FakeInstallation.measured[0].peak_bytes == floor
     assert chosen.planner == "every-unit" and chosen.budget_bytes == budget
+
+
+class LowestMeasuresHighest(FakeInstallation):
+    """The plan of lowest predicted peak measures 1.4x its prediction, the others
+    0.7x (a GPT-style model's lowest plan: predicted 113.9 MiB, measured 151.3;
+    the plan for 140.0 MiB measured 130.3)."""
+
+    floor = 0
+
+    def measure_peak(self, **kwargs):
+        FakeInstallation.measured.append(self.plan)
+        return int(self.plan.peak_bytes * (1.4 if self.plan.peak_bytes == self.floor else 0.7))
+
+
+def test_a_refused_budget_measures_plans_near_the_floor_when_the_lowest_measures_high(
+        monkeypatch):
+    FakeInstallation.measured = []
+    monkeypatch.setattr(api, "PlanInstallation", LowestMeasuresHighest)
+    graph = G.resnet_like(8)
+    floor = LowestMeasuresHighest.floor = predicted_floor_bytes(graph)
+    plain = tfremat.simulate(graph).peak_bytes
+
+    def make(b, objective="time"):
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    rung = make(round(floor + api.FLOOR_LADDER[0] * (plain - floor)))
+    budget = int(floor * 0.99)
+    assert rung.peak_bytes * 0.7 * (1 + api.MEASURED_SPREAD) < budget  # it has room
+    with pytest.raises(BudgetError) as predicted:
+        make(budget)
+    chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph))
+    assert [p.peak_bytes for p in FakeInstallation.measured] == [floor, rung.peak_bytes]
+    assert chosen.segments == rung.segments and chosen.budget_bytes == budget
+    assert chosen.estimates.details["measured_peak_bytes"] == int(rung.peak_bytes * 0.7)
 
 
 def test_every_unit_predicted_at_or_above_no_plan_is_not_a_resort(monkeypatch):

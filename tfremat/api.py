@@ -11,7 +11,7 @@ import logging
 import math
 import numbers
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
@@ -224,8 +224,15 @@ MEASURED_SPREAD = 0.05
 TRIAL_STEPS = 5
 
 #: Budgets, as fractions of the budget, of the plans `measured_choice` may try
-#: after the first, before the plan of lowest predicted peak.
+#: after the first, before its last resorts.
 TRIAL_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+#: Budgets of the last resorts after the plan of lowest predicted peak, as
+#: fractions of the way from that peak up to the predicted peak without a plan.
+#: The prediction is not off by one ratio, so it can rank plans near the floor
+#: wrong: on a GPT-style model the lowest plan was predicted at 113.9 MiB and
+#: measured 151.3, while the plan for 140.0 MiB measured 130.3.
+FLOOR_LADDER = (0.05, 0.1, 0.2)
 
 
 def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], *,
@@ -240,20 +247,23 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     step, so a plan fits with room when its measured peak plus that spread is
     within the budget. `first` (planned for the budget) is measured first.
     While the last plan measured has no such room, the next one tried is the
-    fastest candidate (planned for `TRIAL_FRACTIONS` of the budget, then for
-    the lowest peak) whose prediction, scaled by the last measured-to-predicted
-    ratio, fits with room; the last resorts are the plan of lowest predicted
-    peak, then `every_unit(first)` (every unit recomputed on its own: the
-    prediction that put the first plan over the budget may rank plans wrong
-    too). At most `max_trials` plans are measured
-    (`PlanInstallation.measure_peak`, which leaves every variable as it was).
-    When none of them has room, `unplanned(first)` (the step without
-    recomputation or offload) is measured too: recomputation does not lower
-    every measured peak (not where the peak is one convolution's backward
-    scratch), and no plan is trained that measures above none.
-    The first plan tried that fits with room is chosen (`unplanned` last);
-    when none does, the one of lowest measured peak among those within the
-    budget.
+    fastest plan made for `TRIAL_FRACTIONS` of the budget (or for the lowest
+    peak) whose prediction, scaled by the last measured-to-predicted ratio,
+    fits with room; at most `max_trials` plans so. When none has room, the
+    last resorts are measured in turn until one has (the prediction that put
+    the plans over the budget is not off by one ratio, so it may rank them
+    wrong): the plan of lowest predicted peak, plans for budgets `FLOOR_LADDER`
+    of the way from its peak up to the peak without a plan, and
+    `every_unit(first)` (every unit recomputed on its own). Then
+    `unplanned(first)` (the step without recomputation or offload):
+    recomputation does not lower every measured peak (not where the peak is
+    one convolution's backward scratch), and no plan is trained that measures
+    above none. Plans are measured by `PlanInstallation.measure_peak`, which
+    leaves every variable as it was. The first plan tried that fits with room
+    is chosen (`unplanned` last); when none does, the one of lowest measured
+    peak among those within the budget. The last resorts do not depend on the
+    budget, so planning again for a BudgetError's minimum measures the plan
+    that set it.
 
     Args:
         model: The compiled model.
@@ -261,10 +271,11 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         make: `make(budget_bytes, objective=...)` plans for another budget.
         batch_size: Batch size, when shapes come from `model.inputs`.
         sample: One batch `(x, y)` or a `tf.data.Dataset`.
-        max_trials: Most plans measured, `unplanned` aside.
+        max_trials: Most plans measured before the last resorts.
         unplanned: `unplanned(plan)` is `plan` without segments or offloads
-            (same updates and order), measured when no plan has room; None
-            measures no such plan.
+            (same updates and order), measured when no plan has room (its
+            prediction tops the ladder); None measures no such plan, nor the
+            ladder.
         every_unit: `every_unit(plan)` is `plan` recomputing every unit on its
             own (see `every_unit_like`), or None when there is no such plan;
             None tries no such plan.
@@ -278,28 +289,53 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
             measured peak plus `MEASURED_SPREAD`, and `.measured_plan` is the
             plan that measured lowest.
     """
+    candidates, lowest = _candidates(first, make)
+    return _choose(model, first, candidates, lowest, make, batch_size=batch_size,
+                   sample=sample, max_trials=max_trials, unplanned=unplanned,
+                   every_unit=every_unit)
+
+
+def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Plan,
+            make: Callable[..., Plan], *, batch_size: int | None, sample: Any,
+            max_trials: int, unplanned: Callable[[Plan], Plan] | None,
+            every_unit: Callable[[Plan], Plan | None] | None) -> Plan:
+    """`measured_choice` among `candidates` (`first` first), then its last
+    resorts from `lowest` on."""
     budget = first.budget_bytes
     roomy = budget / (1 + MEASURED_SPREAD)  # a measured peak with room for its spread
-    candidates, resorts = _candidates(first, make, every_unit)
     trials: list[tuple[Plan, int]] = []
+    measured_keys: set[str] = set()
+
+    def measure(plan: Plan) -> None:
+        measured_keys.add(_key(plan))
+        trials.append((plan, _trial(model, plan, budget, batch_size, sample)))
+
+    def has_room() -> bool:
+        return any(m <= roomy for _, m in trials)
+
     ratio = 1.0
-    while candidates and len(trials) < max(1, max_trials):
-        if not trials:
-            plan = candidates[0]
-        else:
-            fitting = [p for p in candidates if p.peak_bytes * ratio <= roomy]
-            last_chance = len(trials) == max_trials - 1
-            left = [p for p in resorts if any(p is c for c in candidates)]
-            plan = fitting[0] if fitting and not last_chance else (left or candidates[::-1])[0]
+    plan: Plan | None = first
+    while plan is not None and len(trials) < max(1, max_trials):
         candidates = [p for p in candidates if p is not plan]
-        measured = _trial(model, plan, budget, batch_size, sample)
-        trials.append((plan, measured))
-        if measured <= roomy:
+        measure(plan)
+        if has_room():
             break
-        ratio = measured / max(plan.peak_bytes, 1)
-    if unplanned is not None and not any(m <= roomy for _, m in trials):
-        bare = unplanned(first)
-        trials.append((bare, _trial(model, bare, budget, batch_size, sample)))
+        ratio = trials[-1][1] / max(plan.peak_bytes, 1)
+        plan = next((p for p in candidates if p.peak_bytes * ratio <= roomy), None)
+    for resort in _resorts(lowest, first, make, unplanned, every_unit):
+        if has_room():
+            break
+        if _key(resort) not in measured_keys:
+            measure(resort)
+    if unplanned is not None and not has_room():
+        measure(unplanned(first))
+    return _conclude(trials, budget, first.planner)
+
+
+def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan:
+    """The plan `measured_choice` chooses among `(plan, measured peak)` trials
+    (see there), its measurements recorded, or its BudgetError."""
+    roomy = budget / (1 + MEASURED_SPREAD)
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
                "overhead": p.estimates.overhead if p.estimates else 0.0,
                "unplanned": not (p.segments or p.offloaded), "planner": p.planner}
@@ -315,7 +351,7 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     chosen.budget_bytes = budget
     if not fitting:
         error = BudgetError(
-            budget, math.ceil(measured * (1 + MEASURED_SPREAD)), first.planner,
+            budget, math.ceil(measured * (1 + MEASURED_SPREAD)), planner,
             f"Measured {len(trials)} plan(s) on the device: "
             + ", ".join(trial_text(r, "-> measured") for r in record)
             + f". The stated minimum is the lowest measured peak plus "
@@ -323,6 +359,7 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
         error.measured_plan = chosen
         raise error
     return chosen
+
 
 
 def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
@@ -413,34 +450,36 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
     except BudgetError:
         raise error from None
     lowest.budget_bytes = error.budget_bytes
-    try:  # `lowest` (every other budget would plan it again), then `every_unit`'s
-        return measured_choice(model, lowest, lambda *_, **__: lowest,
-                               batch_size=batch_size, sample=sample,
-                               max_trials=1 if every_unit is None else 2,
-                               unplanned=unplanned, every_unit=every_unit)
+    try:  # every budget below the floor would plan `lowest` again
+        return _choose(model, lowest, [lowest], lowest, make, batch_size=batch_size,
+                       sample=sample, max_trials=1, unplanned=unplanned,
+                       every_unit=every_unit)
     except BudgetError as measured:
         raise BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,
             f"{error.detail} The plan of lowest predicted peak "
-            f"({error.min_budget_bytes / MIB:.1f} MiB) was measured: {measured.detail}"
+            f"({error.min_budget_bytes / MIB:.1f} MiB) and plans near it were measured: "
+            f"{measured.detail}"
         ) from None
 
 
-def _candidates(first: Plan, make: Callable[..., Plan],
-                every_unit: Callable[[Plan], Plan | None] | None = None
-                ) -> tuple[list[Plan], list[Plan]]:
-    """The plans `measured_choice` may measure, and its last resorts.
+def _key(plan: Plan) -> str:
+    """What a plan rewrites: plans with equal keys measure alike."""
+    return repr((plan.segments, plan.offloaded))
+
+
+def _candidates(first: Plan, make: Callable[..., Plan]) -> tuple[list[Plan], Plan]:
+    """The plans `measured_choice` measures before its last resorts, and the
+    plan of lowest predicted peak.
 
     Returns:
-        `first`, plans for lower budgets, the plan of lowest predicted peak and
-        `every_unit(first)`, each once, in that order (the plans for lower
-        budgets least predicted overhead first); and the last resorts among
-        them, in the order they are tried: the plan of lowest predicted peak,
-        then `every_unit(first)` (`first` itself is never a last resort).
+        `first`, then plans for `TRIAL_FRACTIONS` of its budget and the plan
+        of lowest predicted peak, each once, least predicted overhead first;
+        and that lowest plan (`make` at the floor its BudgetError states).
     """
     budget = first.budget_bytes
     plans = [first]
-    for fraction in TRIAL_FRACTIONS:
+    for fraction in (*TRIAL_FRACTIONS, 0.0):  # 0: for the floor, if none is below it
         try:
             plans.append(make(int(budget * fraction)))
         except BudgetError as e:
@@ -450,17 +489,33 @@ def _candidates(first: Plan, make: Callable[..., Plan],
                 pass
             break
     lowest = min(plans, key=lambda p: p.peak_bytes)
-    by_unit = every_unit(first) if every_unit is not None else None
     unique: dict[str, Plan] = {}
-    for p in [first, lowest, *([by_unit] if by_unit is not None else []), *plans]:
-        unique.setdefault(repr((p.segments, p.offloaded)), p)
-    resorts = [p for p in unique.values()
-               if p is not first and (p is lowest or p is by_unit)]
-    others = sorted((p for p in unique.values()
-                     if p is not first and all(p is not r for r in resorts)),
+    for p in plans:
+        unique.setdefault(_key(p), p)
+    others = sorted((p for p in unique.values() if p is not first),
                     key=lambda p: (p.estimates.overhead if p.estimates else 0.0,
                                    -p.peak_bytes))
-    return [first, *others, *resorts], resorts
+    return [first, *others], lowest
+
+
+def _resorts(lowest: Plan, first: Plan, make: Callable[..., Plan],
+             unplanned: Callable[[Plan], Plan] | None,
+             every_unit: Callable[[Plan], Plan | None] | None) -> Iterator[Plan]:
+    """The last resorts of `measured_choice`, in the order they are measured,
+    each made when it is reached: `lowest`, plans for `FLOOR_LADDER` of the way
+    from its predicted peak up to the peak without a plan (`unplanned`'s
+    prediction), and `every_unit(first)`."""
+    yield lowest
+    if unplanned is not None:
+        top = unplanned(lowest).peak_bytes
+        for fraction in FLOOR_LADDER:
+            try:
+                yield make(round(lowest.peak_bytes + fraction * (top - lowest.peak_bytes)))
+            except BudgetError:
+                continue
+    by_unit = every_unit(first) if every_unit is not None else None
+    if by_unit is not None:
+        yield by_unit
 
 
 def chief_plan(local: Plan, graph: PlanGraph) -> Plan:
