@@ -17,6 +17,7 @@ from tests.rewriter import rewrite_helpers as h
 from tfremat.core import Offload, Plan, Segment, UnsupportedModelError
 from tfremat.graph import extract
 from tfremat.rewriter import RecomputeSegment, rewrite_model
+from tfremat.rewriter.exact_recompute import AddedLosses
 from tfremat.rewriter.offload_layers import OffloadUnit
 from tfremat.rewriter.subclassed import RecomputedCall
 
@@ -410,3 +411,17 @@ def test_a_units_softmax_or_sigmoid_output_keeps_its_logits_for_the_loss(
     loss_b, grads_b = crossentropy_grads(rewritten, x, y, activation, mode)
     np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
     assert h.rel_error(grads_a, grads_b) <= h.REL_TOL
+
+
+def test_a_new_loss_is_not_taken_for_a_layer_that_kept_the_id_of_a_freed_one():
+    """In a StatelessScope (a recompute) Keras gives a layer the losses whose id is
+    in its `_loss_ids`, kept until a call enters the model: after a nested
+    segment's recompute, a new loss reusing a freed one's id was counted as the
+    old layer's (a flaky CI failure of the nested regularized_mlp case)."""
+    kept, adding = keras.layers.Dense(2), keras.layers.Dense(2)
+    loss = tf.constant(1.0)
+    kept._loss_ids.add(id(loss))  # the id of a loss `kept` added, since freed
+    with keras.StatelessScope(collect_losses=True):
+        with AddedLosses([kept, adding]) as added:
+            adding.add_loss(loss)
+    assert [(layer.name, value) for layer, value in added.losses] == [(adding.name, loss)]

@@ -134,6 +134,17 @@ class AddedLosses:
         return [(layer, loss) for layer in self._layers for loss in layer._get_own_losses()]
 
     def __enter__(self) -> "AddedLosses":
+        if in_stateless_scope():
+            # There a layer owns the scope's losses whose `id` is in its
+            # `_loss_ids`, which Keras clears only when a call enters the model.
+            # It keeps the ids of losses freed since (a nested segment's
+            # recompute adds losses that are gone by the outer one's), and a
+            # new loss reusing one was counted as that layer's (seen in CI: a
+            # Dense layer's activity-regularizer loss taken for an `add_loss`
+            # layer's, and the recompute refused as adding other losses).
+            live = {id(loss) for loss in get_stateless_scope().losses}
+            for layer in self._layers:
+                layer._loss_ids.intersection_update(live)
         self._before = {id(loss) for _, loss in self._tracked()}
         return self
 
