@@ -361,7 +361,6 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan
     return chosen
 
 
-
 def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
     """One trial of a plan's estimate details (`"trials"`) in words."""
     kind = ("without recomputation, " if trial.get("unplanned") else
