@@ -499,8 +499,6 @@ def test_a_replan_that_keeps_the_plan_leaves_its_trials_out_of_the_epoch_peak(
     """A re-plan's trials run steps of other plans (a step without a plan measured
     44 MiB against a 29 MiB budget); when the re-plan keeps the plan in use, the
     epoch's peak must still be that of its training steps."""
-    import tensorflow as tf
-
     x, y = data(2)
     calls = []
 
