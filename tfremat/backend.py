@@ -1,5 +1,6 @@
 """Checks that TensorFlow is installed and that Keras runs on it; names the
-device whose memory tfremat budgets and says whether its allocator can be read."""
+device whose memory tfremat budgets, says whether its allocator can be read and
+how many operations TensorFlow's executor runs at once."""
 
 from __future__ import annotations
 
@@ -68,3 +69,28 @@ def memory_stats_available(device: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def inter_op_threads() -> int:
+    """How many inter-op threads TensorFlow's executor runs a step's ready
+    operations on: the number set with
+    `tf.config.threading.set_inter_op_parallelism_threads`, else the
+    `TF_NUM_INTEROP_THREADS` environment variable, else (TensorFlow's default)
+    the number of CPUs this process may run on.
+    """
+    require_tensorflow()
+    import tensorflow as tf
+
+    configured = tf.config.threading.get_inter_op_parallelism_threads()
+    if configured > 0:
+        return configured
+    try:
+        from_env = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0"))
+    except ValueError:
+        from_env = 0
+    if from_env > 0:
+        return from_env
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1

@@ -192,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                     action="store_const", const="auto", default=False,
                     help="run optimizer updates inside the backward pass when that lowers "
                          "the peak (experimental; off by default)")
-    pl.add_argument("--pin-order", dest="pin_order", action="store_true",
-                    help="run the backward pass in the planned order (steadier peaks; off "
-                         "by default)")
+    pl.add_argument("--pin-order", dest="pin_order", action="store_const", const=True,
+                    default="auto",
+                    help="run the backward pass in the planned order (steadier peaks; by "
+                         "default only when TensorFlow runs on one inter-op thread)")
     pl.add_argument("--measure", action="store_true",
                     help="rewrite the model and measure its peak")
     pl.set_defaults(func=cmd_plan)

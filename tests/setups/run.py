@@ -79,7 +79,8 @@ def main(name: str, mode: str, out_dir: str, budget_mb: float | None = None) -> 
                 model = fit(name, [planner])
         result.update(
             peaks_mb=planner.epoch_peaks_mb, segments=len(planner.plan.segments),
-            planner=planner.plan.planner, replans=planner.replans,
+            planner=planner.plan.planner, pinned=planner.plan.pin_order,
+            replans=planner.replans,
             predicted_mb=planner.predicted_peak_mb,
             warnings=[str(w.message) for w in caught if "tfremat" in str(w.message)])
     np.savez(os.path.join(out_dir, f"{name}-{mode}.npz"),

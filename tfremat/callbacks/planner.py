@@ -94,10 +94,12 @@ class Planner(keras.callbacks.Callback):
             `"auto"` (under a binding budget, when the optimizer allows it). The plan summary says
             whether it does, and why not.
         pin_order: Pin the backward pass to the simulator's order (see
-            `tfremat.plan`): steadier peaks on some models, higher ones on
-            others; on CPU the step took 0.86x to 1.06x the unpinned step on
-            one model and up to 0.15x of the plain step more on another
-            (docs/how-it-works.md, "Pinning the order").
+            `tfremat.plan`): True, False or `"auto"` (the default: pinned when
+            TensorFlow runs the step on one inter-op thread, where an unpinned
+            plan saves almost nothing). Elsewhere steadier peaks on some
+            models, higher ones on others; on CPU the step took 0.86x to
+            1.06x the unpinned step on one model and up to 0.15x of the plain
+            step more on another (docs/how-it-works.md, "Pinning the order").
 
     Attributes:
         plan: The plan applied (None before the first step).
@@ -125,7 +127,8 @@ class Planner(keras.callbacks.Callback):
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
                  replan: bool = True, max_replans: int = 2, measure: bool = True,
                  max_trials: int = 3, strategy: str | None = None,
-                 update_in_backward: bool | str = False, pin_order: bool = False) -> None:
+                 update_in_backward: bool | str = False,
+                 pin_order: bool | str = "auto") -> None:
         super().__init__()
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             # Keras's fit fails before any callback runs (in its symbolic build),

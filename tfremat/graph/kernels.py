@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from typing import Any
 
@@ -27,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
 
-from tfremat.backend import device_name, memory_stats_available
+from tfremat.backend import device_name, inter_op_threads, memory_stats_available
 
 #: Ops whose inputs and outputs together are smaller are not measured.
 MIN_OP_BYTES = 1 << 20
@@ -79,8 +78,7 @@ class KernelWorkspaces:
         TensorFlow's inter-op threads on CPU, one on a GPU."""
         if not self.device.startswith("CPU"):
             return 1
-        threads = tf.config.threading.get_inter_op_parallelism_threads()
-        return threads or os.cpu_count() or 1
+        return inter_op_threads()
 
     def metadata(self) -> dict[str, Any]:
         """A summary for `PlanGraph.metadata["kernel_workspaces"]`."""

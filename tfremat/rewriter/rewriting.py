@@ -70,10 +70,10 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     plain training; the weights updated in the backward pass get no gradient
     from `tape.gradient`.
 
-    A pinned order (`plan.pin_order`, functional and Sequential models) wraps
-    the same units, whose gradient functions then update nothing but hand
-    their input gradients on only once their weight gradients are complete
-    (`BackwardOrder`).
+    A pinned order (`plan.pin_order`) wraps the same units, whose gradient
+    functions then update nothing but hand their input gradients on only once
+    their weight gradients are complete (`BackwardOrder`); on a subclassed
+    model, the recomputed sublayer calls.
 
     Limits: a tensor recomputed inside its segment, a model output, or any
     tensor of a subclassed model cannot be offloaded (`PlanValidationError`).
@@ -140,8 +140,6 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                           "after the backward pass: updates in the backward pass apply "
                           "to functional and Sequential models.", RuntimeWarning,
                           stacklevel=2)
-        elif plan.pin_order:
-            warn_unpinned(model)
         return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
     validate_plan(plan, structure_graph(model))
@@ -168,14 +166,6 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     if updates is not None and updates.model is None:
         updates.bind(rewritten)
     return rewritten
-
-
-def warn_unpinned(model: keras.Model) -> None:
-    """Warns that `model`'s backward pass keeps TensorFlow's own order
-    (`Plan.pin_order` applies to functional and Sequential models)."""
-    warnings.warn(f"tfremat: the backward pass of subclassed model {model.name!r} runs in "
-                  "TensorFlow's own order: pinning the order applies to functional and "
-                  "Sequential models.", RuntimeWarning, stacklevel=3)
 
 
 def _offload_devices(compute_device: str | None,

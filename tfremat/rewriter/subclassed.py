@@ -46,7 +46,9 @@ from keras.src.utils import tracking
 
 from tfremat.core import Plan, UnsupportedModelError, validate_plan
 from tfremat.graph import extract
+from tfremat.rewriter.backward_updates import BackwardOrder
 from tfremat.rewriter.exact_recompute import recompute
+from tfremat.rewriter.recompute_grad import AfterGrads
 
 
 class RecomputedCall:
@@ -59,10 +61,14 @@ class RecomputedCall:
 
     Args:
         layer: The sublayer to recompute.
+        after_grads: Called in each call's gradient function once the call's
+            gradients exist (a pinned order: `BackwardOrder.after_grads`).
     """
 
-    def __init__(self, layer: keras.layers.Layer) -> None:
+    def __init__(self, layer: keras.layers.Layer,
+                 after_grads: AfterGrads | None = None) -> None:
         object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "after_grads", after_grads)
         object.__setattr__(self, "calls", 0)
 
     def __getattr__(self, name: str) -> Any:
@@ -94,7 +100,7 @@ class RecomputedCall:
             call_args, call_kwargs = tree.pack_sequence_as((args, kwargs), values)
             return self.layer(*call_args, **call_kwargs)
 
-        return recompute(run, [flat[i] for i in where], [self.layer])
+        return recompute(run, [flat[i] for i in where], [self.layer], self.after_grads)
 
     def __repr__(self) -> str:
         return f"<RecomputedCall of {self.layer!r}>"
@@ -192,7 +198,8 @@ def rewrite_subclassed(model: keras.Model, plan: Plan, sample: Any = None) -> ke
     validate_plan(plan, graph)
     units = {u.name: u for u in model._flatten_layers(include_self=False, recursive=False)}
     chosen = {graph.node(n).layer for seg in plan.segments for n in seg.nodes}
-    proxies = {id(units[name]): RecomputedCall(units[name]) for name in chosen}
+    after_grads = BackwardOrder().after_grads if plan.pin_order else None
+    proxies = {id(units[name]): RecomputedCall(units[name], after_grads) for name in chosen}
     calls = collections.Counter(n.layer for n in graph if n.layer in chosen)
     clone = object.__new__(type(model))
     clone.__dict__.update(vars(model))
