@@ -66,9 +66,10 @@ def pinned(pin_order: bool | str) -> bool:
     """Whether a plan pins its backward pass (`Plan.pin_order`).
 
     `"auto"` pins when TensorFlow runs a step's operations on one inter-op
-    thread: there, unpinned, the executor leaves weight gradients for later
-    and recomputation saves almost nothing (a CNN's plan predicted at 141 MiB
-    measured 227-239, the plain step 236-240; pinned 136-140).
+    thread: there the executor runs them in the order Grappler left, which on
+    models with skip connections kept what recomputation freed (a residual
+    CNN's plan predicted at 141 MiB measured 227-239, the plain step 236-240;
+    pinned 136-140).
     """
     if pin_order == "auto":
         return inter_op_threads() == 1

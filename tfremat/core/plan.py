@@ -189,7 +189,8 @@ class Plan:
             were asked for or considered (e.g. `global_clipnorm`), or "".
         pin_order: Whether the backward pass is pinned to the simulator's
             order: the backward of each layer call with weights (or of each
-            segment) hands its input gradients on only once its weight
+            segment; on a subclassed model, of each recomputed sublayer call)
+            hands its input gradients on only once its weight
             gradients are complete, so the next one's kernels cannot run
             beside them (see docs/how-it-works.md, "Pinning the order").
             Implied by `update_in_backward` while the updates run. Predicted

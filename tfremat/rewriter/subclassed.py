@@ -167,7 +167,9 @@ def rewrite_subclassed(model: keras.Model, plan: Plan, sample: Any = None) -> ke
     """A copy of a subclassed model recomputing the plan's sublayers.
 
     See the module docstring for how the copy is made without touching the
-    user's model, and for its limits.
+    user's model, and for its limits. With `plan.pin_order`, each chosen
+    call hands its input gradients on only once its weight gradients exist
+    (`BackwardOrder`); the other sublayers keep TensorFlow's order.
 
     Args:
         model: A built subclassed model.
