@@ -11,6 +11,7 @@ import pytest
 
 import tfremat
 from tests.fresh import run_fresh
+from tests.setups.models import Block
 from tfremat.core import Plan
 from tfremat.rewriter import PlanInstallation
 
@@ -204,20 +205,6 @@ def test_a_pinned_order_has_no_high_mode():
     peaks = run_fresh(PEAKS)["peaks"]
     assert len(peaks) == 100
     assert max(peaks) <= 1.25 * statistics.median(peaks), sorted(peaks)
-
-
-class Block(keras.layers.Layer):
-    """conv-BN-ReLU-conv with a residual connection."""
-
-    def __init__(self, width: int, **kwargs):
-        super().__init__(**kwargs)
-        self.conv_a = keras.layers.Conv2D(width, 3, padding="same")
-        self.bn = keras.layers.BatchNormalization()
-        self.conv_b = keras.layers.Conv2D(width, 3, padding="same")
-
-    def call(self, x, training=None):
-        y = self.conv_b(keras.ops.relu(self.bn(self.conv_a(x), training=training)))
-        return keras.ops.relu(x + y)
 
 
 class Blocks(keras.Model):
