@@ -320,7 +320,7 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
     """`measured_choice` among `candidates` (`first` first), then its last
     resorts from `lowest` on."""
     budget = first.budget_bytes
-    roomy = budget / (1 + MEASURED_SPREAD)  # a measured peak with room for its spread
+    roomy = _room(budget)
     trials: list[tuple[Plan, int]] = []
     measured_keys: set[str] = set()
 
@@ -353,7 +353,7 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
 def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan:
     """The plan `measured_choice` chooses among `(plan, measured peak)` trials
     (see there), its measurements recorded, or its BudgetError."""
-    roomy = budget / (1 + MEASURED_SPREAD)
+    roomy = _room(budget)
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
                "overhead": p.estimates.overhead if p.estimates else 0.0,
                "unplanned": not (p.segments or p.offloaded), "planner": p.planner}
@@ -377,6 +377,11 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan
         error.measured_plan = chosen
         raise error
     return chosen
+
+
+def _room(budget: int) -> float:
+    """The largest measured peak that fits `budget` with room for its spread."""
+    return budget / (1 + MEASURED_SPREAD)
 
 
 def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
