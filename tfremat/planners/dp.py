@@ -22,8 +22,10 @@ own budget is searched:
   `REFINE_STARTS` lowest plans in turn; such plans carry the estimate details
   `"refined": True` and `"flat_peak_bytes"`.
 
-The lowest feasible Eq. (2) budget is found by a DP minimising the peak (the
-exact DP) or exactly by a search over budgets (the approximate DP). `exact_dp`
+The lowest feasible Eq. (2) budget is found by a DP minimising the peak: exactly
+by the exact DP, within its bands by the approximate DP (the least peak over its
+keys can be lower; docs/how-it-works.md says why the search starts from the
+banded one). `exact_dp`
 also runs the approximate DP's search and returns the better of the two plans
 under the simulator, so it is never worse than `approx_dp`.
 """
@@ -140,8 +142,7 @@ def approx_dp(graph: PlanGraph, budget_bytes: int, *, objective: str = "time",
             where the peak occurs when flat blocks miss the budget).
         buckets: Bands of cached bytes kept per key (more: closer to optimal,
             slower). They cover only the cached bytes from which the budget
-            can still be met, so they grow finer near the lowest feasible
-            budget; that budget is found exactly whatever `buckets`.
+            can still be met, so they grow finer as the budget falls.
         search_steps: Most DP runs of the time-centric search over the DP's
             own budget.
         verbose: 1 or more shows a `rich` progress display.
