@@ -1,0 +1,203 @@
+"""What is live at the measured peak of a plain training step, from the profiler's memory events.
+
+For each model of `planners.py` named (same sizes, SGD), in a fresh process: two
+warm-up steps, then one step under TensorFlow's profiler with
+`host_tracer_level=3`, which records every allocation and deallocation of the
+allocator with its op, region type and shape and the bytes in use after it.
+Replaying them up to the largest bytes in use gives the buffers live at the
+step's peak (the bytes each holds, its allocator chunk, and the bytes it
+asked for), grouped as forward outputs, weight gradients (`BackpropFilter`,
+`BiasAddGrad`, a `MatMul`'s second gradient), other gradients, and the
+optimizer's buffers; the buffers allocated before the step (weights, batch)
+are only known as a total. Also: the optimizer's allocations kept after the
+step (the variables an update copied because their old value was still read),
+the largest buffers live at the peak, and when the variable updates start
+relative to the weight-gradient ops (the profiler's op events of the same step).
+
+Usage:
+    python benchmarks/peak_contents.py [--models ResNet50,VGG19]
+
+Writes benchmarks/results/peak_contents.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planners import MODELS, RESULTS, model_names, run_header  # noqa: E402
+
+MIB = 2**20
+WEIGHT_GRADIENT_OPS = ("BackpropFilter", "BiasAddGrad", "MatMul_1")
+
+
+def memory_events(name: str, directory: str) -> tuple[list[tuple[int, str, dict]], float,
+                                                     list[tuple[int, int, str]]]:
+    """The allocator's events during one plain step of `name`, in time order;
+    the peak `get_memory_info` reports for that step; and its ops' (start, end,
+    name), in picoseconds."""
+    import tensorflow as tf
+    from planners import build_model
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    from tfremat.graph import batch_specs, step_function, trace
+    from tfremat.memory import synthetic_batch
+
+    model, batch = build_model(name)
+    x_spec, y_spec = batch_specs(model, batch_size=batch)
+    if y_spec is None:
+        y_spec = trace(model, batch_size=batch).input_specs[1]
+    x, y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
+    step = tf.function(step_function(model))
+    step(x, y)
+    step(x, y)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    tf.profiler.experimental.start(
+        directory, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
+    step(x, y)
+    tf.profiler.experimental.stop()
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] / MIB
+    [path] = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    events, ops = [], []
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                kind = plane.event_metadata[event.metadata_id].name
+                start = line.timestamp_ns * 1000 + event.offset_ps
+                if ":" in kind and "/" in kind:  # "scope/op_name:OpType"
+                    ops.append((start, start + event.duration_ps, kind.split(":")[0]))
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = {plane.stat_metadata[s.metadata_id].name:
+                         s.str_value or s.int64_value or s.uint64_value
+                         or (plane.stat_metadata[s.ref_value].name if s.ref_value else None)
+                         for s in event.stats}
+                events.append((start, kind, stats))
+    events.sort(key=lambda e: e[0])
+    return events, peak, sorted(ops)
+
+
+def update_delays(ops: list[tuple[int, int, str]]) -> dict[str, Any]:
+    """When the optimizer's updates start: after the latest weight-gradient op
+    to end before each, in ms (median, largest), and how many start once the
+    last gradient op has ended."""
+    ends = sorted(end for _, end, op in ops if kind_of(op) == "weight gradients")
+    updates = [start for start, _, op in ops
+               if kind_of(op) == "optimizer" and "Assign" in op]
+    last = max(end for _, end, op in ops if op.startswith("gradient_tape/"))
+    delays = [(start - ends[i - 1]) / 1e9 for start in updates
+              if (i := bisect.bisect_right(ends, start)) > 0]
+    return {"updates": len(updates),
+            "median_ms": statistics.median(delays) if delays else None,
+            "max_ms": max(delays) if delays else None,
+            "after_backward": sum(start >= last for start in updates)}
+
+
+def kind_of(op: str) -> str:
+    if op.startswith("gradient_tape/"):
+        if any(k in op for k in WEIGHT_GRADIENT_OPS):
+            return "weight gradients"
+        return "other gradients"
+    if op.split("/")[0].lower() in ("sgd", "adam", "adamw", "rmsprop"):
+        return "optimizer"
+    return "forward outputs" if "/" in op else "other"
+
+
+def analyse(events: list[tuple[int, str, dict]], measured_peak: float) -> dict[str, Any]:
+    """The buffers live at the largest bytes in use, and the optimizer's kept ones."""
+    first = events[0][2]
+    size = first.get("allocation_bytes") or 0
+    before = (first["bytes_allocated"] - size if events[0][1] == "MemoryAllocation"
+              else first["bytes_allocated"] + size)
+    live: dict[int, dict] = {}
+    peak, snapshot = 0, {}
+    for _, kind, stats in events:
+        if kind == "MemoryAllocation":
+            live[stats["addr"]] = stats
+        else:
+            live.pop(stats["addr"], None)
+        if stats["bytes_allocated"] > peak:
+            peak, snapshot = stats["bytes_allocated"], dict(live)
+    groups: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for stats in snapshot.values():
+        group = groups[kind_of(stats.get("tf_op") or "")]
+        group[0] += stats["allocation_bytes"] / MIB
+        group[1] += (stats.get("requested_bytes") or 0) / MIB
+    kept = [s for s in live.values() if kind_of(s.get("tf_op") or "") == "optimizer"]
+    largest = sorted(snapshot.values(), key=lambda s: -s["allocation_bytes"])[:8]
+    return {"measured_peak_mib": measured_peak, "events_peak_mib": peak / MIB,
+            "before_step_mib": before / MIB, "groups_mib": dict(groups),
+            "optimizer_kept": {"count": len(kept),
+                               "mib": sum(s["allocation_bytes"] for s in kept) / MIB},
+            "largest": [{"mib": s["allocation_bytes"] / MIB,
+                         "requested_mib": (s.get("requested_bytes") or 0) / MIB,
+                         "region": s.get("region_type"),
+                         "shape": s.get("shape"), "op": s.get("tf_op")} for s in largest]}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = ["# What is live at the measured peak of a plain step", "",
+             f"Command: `{data['command']}`", "",
+             f"Machine: {data['machine']}. " + __doc__.split("\n\n")[1].replace("\n", " "),
+             ""]
+    for rec in data["records"]:
+        lines += [f"## {rec['model']}", "",
+                  f"Peak: {rec['measured_peak_mib']:.1f} MiB (`get_memory_info`), "
+                  f"{rec['events_peak_mib']:.1f} MiB from the events; in use before the "
+                  f"step (weights, batch): {rec['before_step_mib']:.1f} MiB. The optimizer's "
+                  f"allocations kept after the step (copied variables): "
+                  f"{rec['optimizer_kept']['count']}, {rec['optimizer_kept']['mib']:.1f} MiB. "
+                  f"The {rec['updates']['updates']} variable updates started a median "
+                  f"{rec['updates']['median_ms']:.2f} ms (at most "
+                  f"{rec['updates']['max_ms']:.2f} ms) after the latest weight-gradient op "
+                  f"to end before them; {rec['updates']['after_backward']} after the "
+                  "backward pass's last gradient op.",
+                  "", "| live at the peak | MiB held (allocator chunks) | MiB requested |",
+                  "|---|---:|---:|"]
+        lines += [f"| {k} | {held:.1f} | {asked:.1f} |" for k, (held, asked) in
+                  sorted(rec["groups_mib"].items(), key=lambda kv: -kv[1][0])]
+        lines += ["", "| largest buffers at the peak | MiB held | MiB requested | region "
+                  "| shape |", "|---|---:|---:|---|---|"]
+        lines += [f"| `{b['op']}` | {b['mib']:.2f} | {b['requested_mib']:.2f} | "
+                  f"{b['region']} | {b['shape']} |" for b in rec["largest"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="ResNet50,VGG19")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        with tempfile.TemporaryDirectory() as directory:
+            events, peak, ops = memory_events(args.worker, directory)
+        print(json.dumps({"model": args.worker, **analyse(events, peak),
+                          "updates": update_delays(ops)}))
+        return
+    data = run_header(__file__, 1, 1)
+    for name in model_names(parser, args.models, MODELS):
+        out = subprocess.run([sys.executable, __file__, "--worker", name], check=True,
+                             capture_output=True, text=True).stdout
+        data["records"].append(json.loads(out.strip().splitlines()[-1]))
+    text = markdown(data)
+    with open(os.path.join(RESULTS, "peak_contents.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
