@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--settings", default=";".join(SETTINGS),
                         help="Semicolon-separated subset of: " + "; ".join(SETTINGS)
-                        + ". The rows of the others are kept from the last run.")
+                        + ". Rows of other settings and models are kept from the last run.")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -123,15 +123,17 @@ def main() -> None:
     settings = [s.strip() for s in args.settings.split(";") if s.strip()]
     if any(s not in SETTINGS for s in settings):
         parser.error(f"--settings: choose from {list(SETTINGS)}")
+    names = model_names(parser, args.models, MODELS)
     path = os.path.join(RESULTS, "repeatability.json")
     kept = []
     if os.path.exists(path):
         with open(path) as f:
-            kept = [r for r in json.load(f)["rows"] if r["setting"] not in settings]
+            kept = [r for r in json.load(f)["rows"]
+                    if r["setting"] not in settings or r["model"] not in names]
     data = run_header(__file__, args.runs, args.steps)
     data["command"] = shlex.join(["python", "benchmarks/repeatability.py", *sys.argv[1:]])
     data["rows"] = kept
-    for name in model_names(parser, args.models, MODELS):
+    for name in names:
         for variant in ("plain", "plan"):
             for setting in settings:
                 row = {"model": name, "variant": variant, "setting": setting, "runs": [],
