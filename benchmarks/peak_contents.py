@@ -1,16 +1,19 @@
 """What is live at the measured peak of a plain training step, from the profiler's memory events.
 
-For each model of `planners.py` named (same sizes, SGD), in a fresh process: two
+For each model of `planners.py` named (same sizes, SGD), in a fresh process, the
+plain step and the step with the optimizer's updates in the backward pass (a
+plan without recomputation, `update_in_backward=True`): two
 warm-up steps, then one step under TensorFlow's profiler with
 `host_tracer_level=3`, which records every allocation and deallocation of the
 allocator with its op, region type and shape and the bytes in use after it.
 Replaying them up to the largest bytes in use gives the buffers live at the
 step's peak (the bytes each holds, its allocator chunk, and the bytes it
 asked for), grouped as forward outputs, weight gradients (`BackpropFilter`,
-`BiasAddGrad`, a `MatMul`'s second gradient), other gradients, and the
-optimizer's buffers; the buffers allocated before the step (weights, batch)
-are only known as a total. Also: the optimizer's allocations kept after the
-step (the variables an update copied because their old value was still read),
+`BiasAddGrad`, a `MatMul`'s second gradient), other gradients, and variable
+assignments (the optimizer's updates, BatchNorm's statistics); the buffers
+allocated before the step (weights, batch) are only known as a total. Also:
+the assignments' allocations kept after the step (the variables an
+assignment copied because their old value was still read),
 the largest buffers live at the peak, and when the variable updates start
 relative to the weight-gradient ops (the profiler's op events of the same step).
 
@@ -39,21 +42,30 @@ from planners import MODELS, RESULTS, model_names, run_header  # noqa: E402
 
 MIB = 2**20
 WEIGHT_GRADIENT_OPS = ("BackpropFilter", "BiasAddGrad", "MatMul_1")
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 
 
-def memory_events(name: str, directory: str) -> tuple[list[tuple[int, str, dict]], float,
-                                                     list[tuple[int, int, str]]]:
-    """The allocator's events during one plain step of `name`, in time order;
-    the peak `get_memory_info` reports for that step; and its ops' (start, end,
-    name), in picoseconds."""
+def memory_events(name: str, directory: str, updates: bool
+                  ) -> tuple[list[tuple[int, str, dict]], float, list[tuple[int, int, str]]]:
+    """The allocator's events during one step of `name`, in time order; the
+    peak `get_memory_info` reports for that step; and its ops' (start, end,
+    name), in picoseconds. With `updates`, the step runs the optimizer's
+    updates in the backward pass (a plan without recomputation)."""
     import tensorflow as tf
-    from planners import build_model
+    from planners import build_model, compile_like_original
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    from tfremat.graph import batch_specs, step_function, trace
+    from tfremat.api import rewrite
+    from tfremat.core import Plan
+    from tfremat.graph import batch_specs, extract, step_function, trace
     from tfremat.memory import synthetic_batch
 
     model, batch = build_model(name)
+    if updates:
+        graph = extract(model, batch_size=batch)
+        plan = Plan.from_segments(graph, [], planner="none", update_in_backward=True)
+        model = rewrite(model, plan)
+        compile_like_original(model)
     x_spec, y_spec = batch_specs(model, batch_size=batch)
     if y_spec is None:
         y_spec = trace(model, batch_size=batch).input_specs[1]
@@ -91,13 +103,20 @@ def memory_events(name: str, directory: str) -> tuple[list[tuple[int, str, dict]
 
 
 def update_delays(ops: list[tuple[int, int, str]]) -> dict[str, Any]:
-    """When the optimizer's updates start: after the latest weight-gradient op
-    to end before each, in ms (median, largest), and how many start once the
-    last gradient op has ended."""
+    """When the variable assignments of the backward pass (the optimizer's
+    updates) start: after the latest weight-gradient op to end before each, in
+    ms (median, largest), and how many start once the last gradient op has
+    ended."""
     ends = sorted(end for _, end, op in ops if kind_of(op) == "weight gradients")
-    updates = [start for start, _, op in ops
-               if kind_of(op) == "optimizer" and "Assign" in op]
+    first = min(start for start, _, op in ops if kind_of(op) == "weight gradients")
     last = max(end for _, end, op in ops if op.startswith("gradient_tape/"))
+    # Assignments from the first weight gradient on (BatchNorm's statistics are
+    # assigned in the forward pass).
+    starts: dict[str, int] = {}  # an op can show on more than one line of the trace
+    for start, _, op in ops:
+        if is_assignment(op) and start >= first:
+            starts[op] = min(start, starts.get(op, start))
+    updates = list(starts.values())
     delays = [(start - ends[i - 1]) / 1e9 for start in updates
               if (i := bisect.bisect_right(ends, start)) > 0]
     return {"updates": len(updates),
@@ -106,18 +125,25 @@ def update_delays(ops: list[tuple[int, int, str]]) -> dict[str, Any]:
             "after_backward": sum(start >= last for start in updates)}
 
 
+def is_assignment(op: str) -> bool:
+    """Whether the op (by its name) writes a variable."""
+    return op.rsplit("/", 1)[-1].startswith(("Assign", "ResourceApply"))
+
+
 def kind_of(op: str) -> str:
+    """The group of an op's buffers, by the op's name."""
+    if op.split("/")[0].lower() in OPTIMIZERS or is_assignment(op):
+        return "variable assignments"
     if op.startswith("gradient_tape/"):
         if any(k in op for k in WEIGHT_GRADIENT_OPS):
             return "weight gradients"
         return "other gradients"
-    if op.split("/")[0].lower() in ("sgd", "adam", "adamw", "rmsprop"):
-        return "optimizer"
     return "forward outputs" if "/" in op else "other"
 
 
 def analyse(events: list[tuple[int, str, dict]], measured_peak: float) -> dict[str, Any]:
-    """The buffers live at the largest bytes in use, and the optimizer's kept ones."""
+    """The buffers live at the largest bytes in use, and the variable
+    assignments' kept ones."""
     first = events[0][2]
     size = first.get("allocation_bytes") or 0
     before = (first["bytes_allocated"] - size if events[0][1] == "MemoryAllocation"
@@ -136,11 +162,12 @@ def analyse(events: list[tuple[int, str, dict]], measured_peak: float) -> dict[s
         group = groups[kind_of(stats.get("tf_op") or "")]
         group[0] += stats["allocation_bytes"] / MIB
         group[1] += (stats.get("requested_bytes") or 0) / MIB
-    kept = [s for s in live.values() if kind_of(s.get("tf_op") or "") == "optimizer"]
+    kept = [s for s in live.values()
+            if kind_of(s.get("tf_op") or "") == "variable assignments"]
     largest = sorted(snapshot.values(), key=lambda s: -s["allocation_bytes"])[:8]
     return {"measured_peak_mib": measured_peak, "events_peak_mib": peak / MIB,
             "before_step_mib": before / MIB, "groups_mib": dict(groups),
-            "optimizer_kept": {"count": len(kept),
+            "assignments_kept": {"count": len(kept),
                                "mib": sum(s["allocation_bytes"] for s in kept) / MIB},
             "largest": [{"mib": s["allocation_bytes"] / MIB,
                          "requested_mib": (s.get("requested_bytes") or 0) / MIB,
@@ -157,9 +184,9 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [f"## {rec['model']}", "",
                   f"Peak: {rec['measured_peak_mib']:.1f} MiB (`get_memory_info`), "
                   f"{rec['events_peak_mib']:.1f} MiB from the events; in use before the "
-                  f"step (weights, batch): {rec['before_step_mib']:.1f} MiB. The optimizer's "
-                  f"allocations kept after the step (copied variables): "
-                  f"{rec['optimizer_kept']['count']}, {rec['optimizer_kept']['mib']:.1f} MiB. "
+                  f"step (weights, batch): {rec['before_step_mib']:.1f} MiB. Allocations of "
+                  f"variable assignments kept after the step (copied variables): "
+                  f"{rec['assignments_kept']['count']}, {rec['assignments_kept']['mib']:.1f} MiB. "
                   f"The {rec['updates']['updates']} variable updates started a median "
                   f"{rec['updates']['median_ms']:.2f} ms (at most "
                   f"{rec['updates']['max_ms']:.2f} ms) after the latest weight-gradient op "
@@ -180,19 +207,22 @@ def markdown(data: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="ResNet50,VGG19")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        name, updates = args.worker[0], args.worker[1] == "updates"
         with tempfile.TemporaryDirectory() as directory:
-            events, peak, ops = memory_events(args.worker, directory)
-        print(json.dumps({"model": args.worker, **analyse(events, peak),
-                          "updates": update_delays(ops)}))
+            events, peak, ops = memory_events(name, directory, updates)
+        print(json.dumps({"model": name + (" with updates in the backward pass" if updates
+                                           else ""),
+                          **analyse(events, peak), "updates": update_delays(ops)}))
         return
     data = run_header(__file__, 1, 1)
     for name in model_names(parser, args.models, MODELS):
-        out = subprocess.run([sys.executable, __file__, "--worker", name], check=True,
-                             capture_output=True, text=True).stdout
-        data["records"].append(json.loads(out.strip().splitlines()[-1]))
+        for updates in ("plain", "updates"):
+            out = subprocess.run([sys.executable, __file__, "--worker", name, updates],
+                                 check=True, capture_output=True, text=True).stdout
+            data["records"].append(json.loads(out.strip().splitlines()[-1]))
     text = markdown(data)
     with open(os.path.join(RESULTS, "peak_contents.md"), "w") as f:
         f.write(text)
