@@ -1,4 +1,4 @@
-"""What is live at the measured peak of a plain training step, from the profiler's memory events.
+"""What is live at the measured peak of a training step, from the profiler's memory events.
 
 For each model of `planners.py` named (same sizes, SGD), in a fresh process, the
 plain step and the step with the optimizer's updates in the backward pass (a
@@ -10,7 +10,7 @@ Replaying them up to the largest bytes in use gives the buffers live at the
 step's peak (the bytes each holds, its allocator chunk, and the bytes it
 asked for), grouped as forward outputs, weight gradients (`BackpropFilter`,
 `BiasAddGrad`, a `MatMul`'s second gradient), other gradients, and variable
-assignments (the optimizer's updates, BatchNorm's statistics); the buffers
+assignments (the optimizer's ops, BatchNorm's statistics); the buffers
 allocated before the step (weights, batch) are only known as a total. Also:
 the assignments' allocations kept after the step (the variables an
 assignment copied because their old value was still read),
@@ -168,7 +168,7 @@ def analyse(events: list[tuple[int, str, dict]], measured_peak: float) -> dict[s
     return {"measured_peak_mib": measured_peak, "events_peak_mib": peak / MIB,
             "before_step_mib": before / MIB, "groups_mib": dict(groups),
             "assignments_kept": {"count": len(kept),
-                               "mib": sum(s["allocation_bytes"] for s in kept) / MIB},
+                                 "mib": sum(s["allocation_bytes"] for s in kept) / MIB},
             "largest": [{"mib": s["allocation_bytes"] / MIB,
                          "requested_mib": (s.get("requested_bytes") or 0) / MIB,
                          "region": s.get("region_type"),
