@@ -176,7 +176,7 @@ def analyse(events: list[tuple[int, str, dict]], measured_peak: float) -> dict[s
 
 
 def markdown(data: dict[str, Any]) -> str:
-    lines = ["# What is live at the measured peak of a plain step", "",
+    lines = ["# What is live at the measured peak of a training step", "",
              f"Command: `{data['command']}`", "",
              f"Machine: {data['machine']}. " + __doc__.split("\n\n")[1].replace("\n", " "),
              ""]
