@@ -78,8 +78,9 @@ def worker(name: str, variant: str, setting: str, steps: int) -> dict[str, Any]:
     measured = rewritten(pinned)
     record = {"peak_mib": alone_peak_bytes(measured, batch, 3) / MIB,
               "predicted_mib": plan.peak_bytes / MIB, "segments": len(plan.segments)}
-    seconds = step_seconds({"pinned": Runner(rewritten(True), batch),
-                            "free": Runner(rewritten(False), batch)}, steps)
+    other = rewritten(not pinned)
+    seconds = step_seconds({"pinned": Runner(measured if pinned else other, batch),
+                            "free": Runner(other if pinned else measured, batch)}, steps)
     record["pinned_over_free"] = seconds["pinned"] / seconds["free"]
     return record
 
