@@ -54,10 +54,10 @@ graph = tfremat.extract(model, batch_size=16)
 segments = []
 if kind == "lowest":
     try:
-        tfremat.plan(model, 1.0, graph=graph)
+        tfremat.plan(model, 1.0, graph=graph, update_in_backward=False)
     except tfremat.BudgetError as e:
-        segments = tfremat.plan(model, e.min_budget_mb, graph=graph,
-                                objective="memory").segments
+        segments = tfremat.plan(model, e.min_budget_mb, graph=graph, objective="memory",
+                                update_in_backward=False).segments
 plan = tfremat.Plan.from_segments(graph, segments, pin_order=pin)
 peaks, seconds = [], []
 

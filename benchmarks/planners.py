@@ -59,6 +59,8 @@ PLANNERS: dict[str, tuple[str, dict[str, Any]]] = {
     "chen-sqrt + updates": ("chen-sqrt", {"update_in_backward": True}),
     "approx-dp (memory) + updates": ("approx-dp", {"objective": "memory",
                                                    "update_in_backward": True}),
+    # What `tfremat.plan` and the `Planner` do by default under a binding budget.
+    "auto + updates": ("auto", {"offload": False, "update_in_backward": True}),
 }
 QUICK_PLANNERS = ("chen-sqrt", "approx-dp (time)", "approx-dp (memory)",
                   "chen-sqrt + updates")

@@ -138,7 +138,7 @@ def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
         rewritten.compile(optimizer=model.optimizer.__class__(0.01), loss=model.loss)
         models[key] = rewritten
         rows[key] = {"predicted_mib": plan.peak_bytes / MIB, "planner": plan.planner,
-                     "segments": len(plan.segments),
+                     "segments": len(plan.segments), "updates": plan.update_in_backward,
                      "trials": plan.estimates.details.get("trials", []),
                      "measured_mib": alone_peak_bytes(rewritten, batch, repeats) / MIB}
         print(f"  {key}: {rows[key]}", flush=True)
@@ -190,6 +190,8 @@ def markdown(data: dict[str, Any]) -> str:
             ratio = f"{row['step_ratio']:.2f}x" if "step_ratio" in row else ""
             plan = (f"{row['planner']}, {row['segments']} segments"
                     if "planner" in row else "")
+            if row.get("updates"):
+                plan += ", updates in the backward pass"
             if "stated_mib" in row:
                 plan += f"; stated minimum {row['stated_mib']:.1f} MiB"
             lines.append(f"| {key} | {row['measured_mib']:.1f} | {predicted} | {ratio} | "

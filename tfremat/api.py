@@ -90,7 +90,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", objective: str = "time",
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None, measure: bool = False, max_trials: int = 3,
-         strategy: str | None = None, update_in_backward: bool | str = False,
+         strategy: str | None = None, update_in_backward: bool | str = "auto",
          pin_order: bool | str = "auto", **settings: Any) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
 
@@ -133,13 +133,13 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward
             pass, freeing weight gradients as soon as they are used
-            (docs/updates-in-backward.md; experimental): False (the default),
-            True, or `"auto"` (when the step does not fit as it is, the
-            optimizer allows it and it lowers the simulated peak). Where it
-            cannot be exact (`global_clipnorm`, `LossScaleOptimizer`, gradient
-            accumulation, a custom `train_step`, a `tf.distribute` strategy)
-            the plan says why in
-            `update_note` and updates after the backward pass.
+            (docs/updates-in-backward.md): `"auto"` (the default: when the
+            step does not fit as it is, the optimizer allows it and it lowers
+            the simulated peak), True, or False (updates after the backward
+            pass, as Keras does). Where it cannot be exact
+            (`global_clipnorm`, `LossScaleOptimizer`, gradient accumulation, a
+            custom `train_step`, a `tf.distribute` strategy) the plan says why
+            in `update_note` and updates after the backward pass.
         pin_order: Pin the backward pass to the simulator's order
             (`Plan.pin_order`): each layer's weight gradients before the next
             layer's backward. True, False, or `"auto"` (the default): pinned
@@ -582,7 +582,7 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             sample: Any = None, planner: str = "auto", objective: str = "time",
             compute_device: str | None = None, host_device: str | None = None,
             strategy: str | None = None,
-            update_in_backward: bool | str = False,
+            update_in_backward: bool | str = "auto",
             pin_order: bool | str = "auto") -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 

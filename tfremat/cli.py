@@ -188,10 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory timeline image (.png, .svg, .pdf): predicted memory over "
                          "one step, without and with the plan; needs no Graphviz")
     pl.add_argument("--json", default=None, help="write the plan as JSON")
+    pl.add_argument("--no-update-in-backward", dest="update_in_backward",
+                    action="store_const", const=False, default="auto",
+                    help="keep optimizer updates after the backward pass (by default they "
+                         "run inside it when the budget binds and that lowers the peak)")
     pl.add_argument("--update-in-backward", dest="update_in_backward",
-                    action="store_const", const="auto", default=False,
-                    help="run optimizer updates inside the backward pass when that lowers "
-                         "the peak (experimental; off by default)")
+                    action="store_const", const="auto",
+                    help=argparse.SUPPRESS)  # now the default; kept for old scripts
     pl.add_argument("--pin-order", dest="pin_order", action="store_const", const=True,
                     default="auto",
                     help="run the backward pass in the planned order (steadier peaks; by "

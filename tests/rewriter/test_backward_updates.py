@@ -327,8 +327,10 @@ def test_auto_plans_updates_in_backward_under_a_binding_budget():
     assert roomy.is_empty and "not needed" in roomy.update_note
     tight = tfremat.plan(model, plain * 0.95, graph=graph, update_in_backward="auto")
     assert tight.update_in_backward and tight.peak_bytes <= plain * 0.95 * 2**20
-    with pytest.raises(tfremat.BudgetError):  # the weight gradients are the floor (default)
-        tfremat.plan(model, plain * 0.95, graph=graph)
+    with pytest.raises(tfremat.BudgetError):  # without them the weight gradients are the floor
+        tfremat.plan(model, plain * 0.95, graph=graph, update_in_backward=False)
+    default = tfremat.plan(model, plain * 0.95, graph=graph)
+    assert default.update_in_backward and default.segments == tight.segments
     lines = []
     tight.summary(print_fn=lines.append)
     assert "Updates:         in the backward pass" in lines[0]
@@ -365,11 +367,13 @@ def test_the_planner_callback_trains_with_updates_in_backward_as_plain():
     assert_same(results[0], results[1])
 
 
-def test_the_command_line_turns_it_on():
+def test_the_command_line_plans_it_by_default_and_turns_it_off():
     from tfremat.cli import build_parser
 
     args = ["plan", "resnet50", "--budget-mb", "300"]
-    assert build_parser().parse_args(args).update_in_backward is False
+    assert build_parser().parse_args(args).update_in_backward == "auto"
+    assert build_parser().parse_args(args + ["--no-update-in-backward"]
+                                     ).update_in_backward is False
     assert build_parser().parse_args(args + ["--update-in-backward"]
                                      ).update_in_backward == "auto"
 

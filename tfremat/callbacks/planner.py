@@ -90,9 +90,10 @@ class Planner(keras.callbacks.Callback):
         max_trials: Most plans measured before training.
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward pass
-            (see `tfremat.plan`; experimental): False (the default), True or
-            `"auto"` (under a binding budget, when the optimizer allows it). The plan summary says
-            whether it does, and why not.
+            (see `tfremat.plan`): `"auto"` (the default: under a binding
+            budget, when the optimizer allows it and it lowers the predicted
+            peak), True or False. The plan summary says whether it does, and
+            why not.
         pin_order: Pin the backward pass to the simulator's order (see
             `tfremat.plan`): True, False or `"auto"` (the default: pinned when
             TensorFlow runs the step on one inter-op thread, where an unpinned
@@ -127,7 +128,7 @@ class Planner(keras.callbacks.Callback):
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
                  replan: bool = True, max_replans: int = 2, measure: bool = True,
                  max_trials: int = 3, strategy: str | None = None,
-                 update_in_backward: bool | str = False,
+                 update_in_backward: bool | str = "auto",
                  pin_order: bool | str = "auto") -> None:
         super().__init__()
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
