@@ -10,8 +10,8 @@ version's measured peak and its plan for the minimum its BudgetError states
 when asked for 1 MiB (a measured minimum), both chosen with `measure=True` as
 the `Planner` does; and tfremat's `every-unit` plan. Peaks: the allocator's
 peak of one SGD step (weights and batch included), median of `--repeats`
-steps, each variant with no other step function alive (`planners.py`'s
-`alone_peak_bytes`). Step times: every variant's step run alternately in one
+steps, each variant in a fresh process (`planners.py`'s `fresh_peak_bytes`:
+a process that ran other variants first measures higher). Step times: every variant's step run alternately in one
 process, median of `--steps`, as a ratio to the plain step.
 
 Usage:
@@ -29,8 +29,8 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import (RESULTS, Runner, alone_peak_bytes, model_names, run_header,  # noqa: E402
-                      run_worker, step_seconds)
+from planners import (RESULTS, Runner, model_names, run_header, run_worker,  # noqa: E402
+                      step_seconds)
 
 MIB = 2**20
 
@@ -116,6 +116,35 @@ def sample(model: Any, batch: int) -> tuple[Any, Any]:
     return x, rng.integers(0, CLASSES, batch).astype("int32")
 
 
+def fresh_peak_bytes(name: str, variant: str, plan: Any, repeats: int) -> int:
+    """The peak of one variant's step (`"plain"`, `"hand"`, or `"plan"` with
+    `plan`), in a fresh process."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "plan.json")
+        if plan is not None:
+            plan.to_json(path)
+        proc = subprocess.run([sys.executable, __file__, "--peak", name, "--variant", variant,
+                               "--plan", path, "--repeats", str(repeats)],
+                              check=True, capture_output=True, text=True)
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def peak_worker(name: str, variant: str, plan_path: str, repeats: int) -> None:
+    """`fresh_peak_bytes`'s process: prints the peak in bytes."""
+    import tfremat
+    from tfremat.core import Plan
+
+    model, batch = build(name, hand=variant == "hand")
+    if variant == "plan":
+        rewritten = tfremat.rewrite(model, Plan.from_json(plan_path))
+        rewritten.compile(optimizer=model.optimizer.__class__(0.01), loss=model.loss)
+        model = rewritten
+    print(Runner(model, batch).peak_bytes(repeats))
+
+
 def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
     """Measures the variants of one model (in this process); the JSON record."""
     import tfremat
@@ -129,8 +158,8 @@ def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
         "plain": {"predicted_mib": tfremat.simulate(graph).peak_mb},
         "keras.remat per block (by hand)": {}}
     models = {"plain": model, "keras.remat per block (by hand)": hand}
-    for key in models:
-        rows[key]["measured_mib"] = alone_peak_bytes(models[key], batch, repeats) / MIB
+    for key, variant in (("plain", "plain"), ("keras.remat per block (by hand)", "hand")):
+        rows[key]["measured_mib"] = fresh_peak_bytes(name, variant, None, repeats) / MIB
     hand_mib = rows["keras.remat per block (by hand)"]["measured_mib"]
 
     def add(key: str, plan: Any) -> None:
@@ -140,7 +169,7 @@ def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
         rows[key] = {"predicted_mib": plan.peak_bytes / MIB, "planner": plan.planner,
                      "segments": len(plan.segments), "updates": plan.update_in_backward,
                      "trials": plan.estimates.details.get("trials", []),
-                     "measured_mib": alone_peak_bytes(rewritten, batch, repeats) / MIB}
+                     "measured_mib": fresh_peak_bytes(name, "plan", plan, repeats) / MIB}
         print(f"  {key}: {rows[key]}", flush=True)
 
     try:
@@ -173,8 +202,8 @@ def markdown(data: dict[str, Any]) -> str:
     lines = ["# Transformers: tfremat against each block wrapped in `keras.remat` by hand", "",
              f"Command: `{data['command']}`", "",
              f"Machine: {data['machine']}. Peaks: allocator peak of one SGD step (weights "
-             f"and batch included), median of {data['repeats']} steps, each variant with no "
-             f"other step function alive. Step time: median of {data['steps']} steps run "
+             f"and batch included), median of {data['repeats']} steps, each variant in a "
+             f"fresh process. Step time: median of {data['steps']} steps run "
              "alternately with every other variant in one process, as a ratio to plain. "
              "tfremat's plans are chosen with `measure=True` (as the `Planner` does).", ""]
     for rec in data["records"]:
@@ -207,7 +236,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="Timed steps per variant.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--peak", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peak:
+        peak_worker(args.peak, args.variant, args.plan, args.repeats)
+        return
     if args.worker:
         with open(args.out, "w") as f:
             json.dump(run_model(args.worker, args.repeats, args.steps), f)
