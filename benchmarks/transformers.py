@@ -10,9 +10,10 @@ version's measured peak and its plan for the minimum its BudgetError states
 when asked for 1 MiB (a measured minimum), both chosen with `measure=True` as
 the `Planner` does; and tfremat's `every-unit` plan. Peaks: the allocator's
 peak of one SGD step (weights and batch included), median of `--repeats`
-steps, each variant in a fresh process (`planners.py`'s `fresh_peak_bytes`:
-a process that ran other variants first measures higher). Step times: every variant's step run alternately in one
-process, median of `--steps`, as a ratio to the plain step.
+steps, each variant in a fresh process (as `planners.py`'s `fresh_peak_bytes`:
+a process that ran other variants first measures higher). Step times: every
+variant's step run alternately in one process, median of `--steps`, as a ratio
+to the plain step.
 
 Usage:
     python benchmarks/transformers.py [--models GPT,ViT] [--repeats 5] [--steps 6]
