@@ -179,12 +179,18 @@ def fresh_peak_bytes(name: str, plan: Any, repeats: int) -> int:
     MiB first in a process, 222.5 after three other plans, 239.6 after the
     plain step too).
     """
+    return peak_in_fresh_process(__file__, ["--peak", name], plan, repeats)
+
+
+def peak_in_fresh_process(script: str, args: list[str], plan: Any, repeats: int) -> int:
+    """Runs `script *args --plan PATH --repeats N` (PATH empty without a plan, else
+    the plan as JSON) in a fresh process; the bytes it prints last."""
     with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "plan.json")
+        path = os.path.join(directory, "plan.json") if plan is not None else ""
         if plan is not None:
             plan.to_json(path)
-        proc = subprocess.run([sys.executable, __file__, "--peak", name, "--plan",
-                               path if plan is not None else "", "--repeats", str(repeats)],
+        proc = subprocess.run([sys.executable, script, *args, "--plan", path,
+                               "--repeats", str(repeats)],
                               check=True, capture_output=True, text=True)
     return int(proc.stdout.strip().splitlines()[-1])
 

@@ -30,8 +30,8 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import (RESULTS, Runner, model_names, run_header, run_worker,  # noqa: E402
-                      step_seconds)
+from planners import (RESULTS, Runner, model_names, peak_in_fresh_process,  # noqa: E402
+                      run_header, run_worker, step_seconds)
 
 MIB = 2**20
 
@@ -120,17 +120,8 @@ def sample(model: Any, batch: int) -> tuple[Any, Any]:
 def fresh_peak_bytes(name: str, variant: str, plan: Any, repeats: int) -> int:
     """The peak of one variant's step (`"plain"`, `"hand"`, or `"plan"` with
     `plan`), in a fresh process."""
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "plan.json")
-        if plan is not None:
-            plan.to_json(path)
-        proc = subprocess.run([sys.executable, __file__, "--peak", name, "--variant", variant,
-                               "--plan", path, "--repeats", str(repeats)],
-                              check=True, capture_output=True, text=True)
-    return int(proc.stdout.strip().splitlines()[-1])
+    return peak_in_fresh_process(__file__, ["--peak", name, "--variant", variant], plan,
+                                 repeats)
 
 
 def peak_worker(name: str, variant: str, plan_path: str, repeats: int) -> None:
