@@ -177,6 +177,9 @@ class PlanGraph:
         update_workspace_bytes: Peak transient memory of the optimizer update.
         loss_workspace_bytes: Peak transient memory of the loss and its gradient.
         outputs: References of the model outputs (the loss reads them).
+        outputs_in_place: The outputs whose gradient the loss writes into the
+            output's own buffer when nothing else reads the output any more
+            (a softmax cross-entropy on logits does).
         name: Model name.
         metadata: Free-form facts (batch size, trace time, device, strategy).
 
@@ -194,6 +197,7 @@ class PlanGraph:
     update_workspace_bytes: int = 0
     loss_workspace_bytes: int = 0
     outputs: list[str] = dataclasses.field(default_factory=list)
+    outputs_in_place: list[str] = dataclasses.field(default_factory=list)
     name: str = "model"
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -307,6 +311,7 @@ class PlanGraph:
             "update_workspace_bytes": self.update_workspace_bytes,
             "loss_workspace_bytes": self.loss_workspace_bytes,
             "outputs": list(self.outputs),
+            "outputs_in_place": list(self.outputs_in_place),
             "metadata": self.metadata,
             "nodes": [
                 {**dataclasses.asdict(n),
@@ -342,6 +347,7 @@ class PlanGraph:
             update_workspace_bytes=data.get("update_workspace_bytes", 0),
             loss_workspace_bytes=data.get("loss_workspace_bytes", 0),
             outputs=list(data.get("outputs", [])),
+            outputs_in_place=list(data.get("outputs_in_place", [])),
             name=data.get("name", "model"),
             metadata=dict(data.get("metadata", {})),
         )

@@ -38,6 +38,15 @@ ELEMENTWISE_OPS = frozenset({
     "Cast", "Erf", "Floor", "Round", "SquaredDifference", "Pow", "Swish",
 })
 
+# Other kernels writing an output into an input's buffer when nothing else
+# reads that input: op type -> {output index: input index}. The softmax
+# cross-entropies write the logits' gradient into the logits
+# (`forward_input_or_allocate_output` in TensorFlow's xent kernels).
+FORWARDING_OPS = {
+    "SoftmaxCrossEntropyWithLogits": {1: 0},
+    "SparseSoftmaxCrossEntropyWithLogits": {1: 0},
+}
+
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 
 # Cross-replica all-reduces of gradients (one per pack of concatenated gradients).

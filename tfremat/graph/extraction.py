@@ -269,6 +269,36 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     return peak
 
 
+def _written_in_place(positions: list[int], flow: _Dataflow) -> dict[_Root, _Root]:
+    """For each buffer made at `positions` (op indices, sorted), the buffer it
+    is written into: its own, or the buffer of an input of the same size that
+    dies at its op, which an elementwise kernel (or one of
+    `costs.FORWARDING_OPS`) takes over instead of allocating, followed down
+    the chain."""
+    homes: dict[_Root, _Root] = {}
+    for p in positions:
+        op = flow.ops[p]
+        forwarding = costs.FORWARDING_OPS.get(op.type, {})
+        taken: set[_Root] = set()
+        for j in range(len(op.outputs)):
+            r = flow.root[(p, j)]
+            if r != (p, j):
+                continue
+            homes[r] = r
+            if op.type in costs.ELEMENTWISE_OPS:
+                candidates = list(op.inputs)
+            else:
+                candidates = [op.inputs[forwarding[j]]] if j in forwarding else []
+            for t in candidates:
+                src = flow.root_of(t)
+                if (src not in taken and flow.size.get(src) == flow.size.get(r)
+                        and flow.size.get(r) and max(flow.readers[src]) == p):
+                    taken.add(src)
+                    homes[r] = homes.get(src, src)
+                    break
+    return homes
+
+
 def build_plan_graph(model: keras.Model, traced: TracedStep,
                      kernels: KernelWorkspaces | None = None) -> PlanGraph:
     """Builds the PlanGraph of a traced step (see `extract`); `kernels`, the
@@ -391,8 +421,17 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
 
     loss_pos = positions[LOSS]
     update_pos = positions[UPDATE]
+    homes = _written_in_place(loss_pos, flow)
+    made_at_loss = set(loss_pos)
+    # A buffer the loss writes into one made before it (a dying output's) is
+    # no new memory: the output's gradient then takes the output's place.
     loss_ws = _peak_of_temporaries(
-        loss_pos, flow, lambda r: all(owner[c] == LOSS for c in flow.readers[r]))
+        loss_pos, flow, lambda r: homes[r][0] in made_at_loss
+        and all(owner[c] == LOSS for c in flow.readers[r]))
+    outputs_in_place = sorted({
+        out_ref[home] for r, home in homes.items()
+        if home[0] not in made_at_loss and home in out_ref
+        and any(owner[c] != LOSS for c in flow.readers[r])})
     packs = _all_reduce_packs(update_pos, flow) if traced.replicas > 1 else set()
     update_ws = _peak_of_temporaries(update_pos, flow, lambda r: r not in packs)
     output_refs = traced.output_refs or _dynamic_outputs(owner, flow, out_ref)
@@ -414,7 +453,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     return PlanGraph(
         nodes=nodes, persistent_bytes=persistent,
         update_workspace_bytes=update_ws, loss_workspace_bytes=loss_ws,
-        outputs=output_refs, name=model.name,
+        outputs=output_refs, outputs_in_place=outputs_in_place, name=model.name,
         metadata={
             "batch_shape": [list(s.shape) for s in x_flat],
             "trace_seconds": round(traced.seconds, 3),

@@ -238,6 +238,8 @@ class Schedule:
                 key = ("grad", ref, 0)
                 self._alloc(key, t.bytes, step)
                 self.partials.setdefault(ref, []).append(key)
+                if ref in self.graph.outputs_in_place:
+                    self.inplace.append((step, key, ctx.resolve(ref)))
         self.loss_step = step
         self.forward_last_use = dict(self.last_use)
 
