@@ -119,18 +119,22 @@ def compile_like_original(model: Any) -> None:
 
 
 class Runner:
-    """A compiled training step of one model on a fixed random batch."""
+    """A compiled training step of one model on a fixed batch: `data`, `(x, y)`
+    arrays, or random floats (and zeros for integers) of the model's shapes."""
 
-    def __init__(self, model: Any, batch_size: int) -> None:
+    def __init__(self, model: Any, batch_size: int, data: Any = None) -> None:
         import tensorflow as tf
 
         from tfremat.graph import batch_specs, step_function, trace
         from tfremat.memory import synthetic_batch
 
-        x_spec, y_spec = batch_specs(model, batch_size=batch_size)
-        if y_spec is None:
-            y_spec = trace(model, batch_size=batch_size).input_specs[1]
-        self.x, self.y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
+        if data is not None:  # copied by an op: in TensorFlow's allocator, as a batch is
+            self.x, self.y = (tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(a)) for a in data)
+        else:
+            x_spec, y_spec = batch_specs(model, batch_size=batch_size)
+            if y_spec is None:
+                y_spec = trace(model, batch_size=batch_size).input_specs[1]
+            self.x, self.y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
         self.step = tf.function(step_function(model))
         self()
 
@@ -139,8 +143,8 @@ class Runner:
 
         tf.nest.map_structure(lambda t: t.numpy(), self.step(self.x, self.y))
 
-    def peak_bytes(self, repeats: int) -> int:
-        """Median over `repeats` steps of the allocator's peak during the step."""
+    def step_peaks(self, repeats: int) -> list[int]:
+        """The allocator's peak during each of `repeats` steps."""
         import tensorflow as tf
 
         from tfremat.backend import device_name
@@ -150,7 +154,11 @@ class Runner:
             tf.config.experimental.reset_memory_stats(device)
             self()
             peaks.append(tf.config.experimental.get_memory_info(device)["peak"])
-        return int(statistics.median(peaks))
+        return peaks
+
+    def peak_bytes(self, repeats: int) -> int:
+        """Median over `repeats` steps of the allocator's peak during the step."""
+        return int(statistics.median(self.step_peaks(repeats)))
 
 
 def alone_peak_bytes(model: Any, batch_size: int, repeats: int) -> int:
@@ -182,9 +190,10 @@ def fresh_peak_bytes(name: str, plan: Any, repeats: int) -> int:
     return peak_in_fresh_process(__file__, ["--peak", name], plan, repeats)
 
 
-def peak_in_fresh_process(script: str, args: list[str], plan: Any, repeats: int) -> int:
+def peak_in_fresh_process(script: str, args: list[str], plan: Any, repeats: int) -> Any:
     """Runs `script *args --plan PATH --repeats N` (PATH empty without a plan, else
-    the plan as JSON) in a fresh process; the bytes it prints last."""
+    the plan as JSON) in a fresh process; what it prints last, read as JSON (the
+    bytes, or a list of them)."""
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "plan.json") if plan is not None else ""
         if plan is not None:
@@ -192,7 +201,7 @@ def peak_in_fresh_process(script: str, args: list[str], plan: Any, repeats: int)
         proc = subprocess.run([sys.executable, script, *args, "--plan", path,
                                "--repeats", str(repeats)],
                               check=True, capture_output=True, text=True)
-    return int(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def peak_worker(name: str, plan_path: str, repeats: int) -> None:

@@ -1,16 +1,27 @@
-"""Peak memory and step time of rewritten models vs the originals.
+"""Peak memory and step time of rewritten models vs the originals, with and without XLA.
 
 Segments: about sqrt(n) contiguous segments cut where a single tensor is live
 (the test helper `tests/rewriter/rewrite_helpers.sqrt_segments`), applied with
-`tfremat.rewriter.rewriting`. Peak: CPU allocator peak of one SGD training
-step above the memory live before it. With XLA the peak changes from one
-compilation of the same step to the next, so jit rows show the smallest peak
-of `--compilations` compilations and, in brackets, the range. Step time:
-median over steps run alternately (vanilla, rewritten, vanilla, ...) in one
-process.
+`tfremat.rewriter.rewrite_model`. Three ways to run the SGD step:
+
+- `executor`: `jit_compile=False`, TensorFlow's executor;
+- `xla`: `jit_compile=True`, XLA's CPU compiler as it comes, whose scheduler
+  orders the program for concurrency;
+- `xla-memory`: `jit_compile=True` with
+  `XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`, XLA's
+  scheduler that orders for memory.
+
+Every peak is measured in a fresh process (a process that ran other steps
+measures higher): the allocator's peak of one step above the memory live
+before it, the smallest of `--repeats` steps. Under XLA the step's temporaries
+are one allocation, which the allocator hands out in a chunk that may be much
+larger, so the table also gives XLA's own size for it (its buffer assignment,
+read from `--xla_dump_to`'s memory-usage report). "Kept": the saving
+(plain - rewritten) as a share of the executor's. Step time: the rewritten
+step over the plain one, steps run alternately in one process per way.
 
 Usage:
-    python benchmarks/rewrite_memory.py [--steps 10]
+    python benchmarks/rewrite_memory.py [--models ResNet50,DenseNet121] [--steps 10]
 
 Prints a markdown table and writes it to benchmarks/results/rewrite_memory.md.
 """
@@ -18,81 +29,167 @@ Prints a markdown table and writes it to benchmarks/results/rewrite_memory.md.
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))  # the repository: its tests' helpers
+ROOT = os.path.join(HERE, "..")  # the repository: its tests' helpers
+sys.path.insert(0, ROOT)
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tests.rewriter import rewrite_helpers as h  # noqa: E402
-from tfremat.rewriter import rewrite_model  # noqa: E402
-
-MODELS = {
-    "ResNet50": keras.applications.ResNet50,
-    "DenseNet121": keras.applications.DenseNet121,
-}
+MODELS = ("ResNet50", "DenseNet121")
+WAYS = {"executor": (False, ""),
+        "xla": (True, ""),
+        "xla-memory": (True, "--xla_cpu_enable_concurrency_optimized_scheduler=false")}
+MIB = 2**20
 
 
-def _mb(values: list[float]) -> str:
-    low, high = min(values), max(values)
-    return f"{low:.0f}" if round(low) == round(high) else f"{low:.0f} ({low:.0f}-{high:.0f})"
+def build(name: str, size: int, variant: str) -> Any:
+    """The keras.applications model `name`, rewritten with sqrt(n) segments
+    when `variant` is `"rewritten"`."""
+    import keras
+
+    from tests.rewriter import rewrite_helpers as h
+    from tfremat.rewriter import rewrite_model
+
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
+                                              classes=10)
+    if variant == "rewritten":
+        model = rewrite_model(model, h.plan_for(model, h.sqrt_segments(model)))
+    return model
 
 
-def step_seconds(steps: dict, x, y, repeats: int) -> dict:
-    times: dict = {k: [] for k in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
+def batch(size: int, batch_size: int) -> tuple[Any, Any]:
+    import tensorflow as tf
+
+    return (tf.random.normal((batch_size, size, size, 3)),
+            tf.random.normal((batch_size, 10)))
+
+
+def xla_temp_bytes(dump: str) -> int | None:
+    """The step's temporary allocation as XLA's buffer assignment sized it."""
+    reports = glob.glob(os.path.join(dump, "*inference_step*memory-usage-report.txt"))
+    sizes = [int(float(m.group(1)) * MIB) for path in reports
+             for m in [re.search(r"size ([\d.]+)MiB, preallocated-temp", open(path).read())]
+             if m]
+    return max(sizes) if sizes else None
+
+
+def peak_worker(name: str, way: str, variant: str, args: argparse.Namespace) -> None:
+    """One variant's step in this (fresh) process: prints its peak as JSON."""
+    from tests.rewriter import rewrite_helpers as h
+
+    x, y = batch(args.size, args.batch)
+    step = h.training_step(build(name, args.size, variant), WAYS[way][0])
+    peak = h.step_peak_bytes(step, x, y, repeats=args.repeats)
+    dump = os.environ.get("XLA_FLAGS", "").partition("--xla_dump_to=")[2].split(" ")[0]
+    print(json.dumps({"peak": peak, "xla_temp": xla_temp_bytes(dump) if dump else None}))
+
+
+def time_worker(name: str, way: str, args: argparse.Namespace) -> None:
+    """The rewritten step's time over the plain one's, run alternately: JSON."""
+    from tests.rewriter import rewrite_helpers as h
+
+    x, y = batch(args.size, args.batch)
+    steps = {v: h.training_step(build(name, args.size, v), WAYS[way][0])
+             for v in ("plain", "rewritten")}
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    for v, step in steps.items():
+        step(x, y).numpy()
+    for _ in range(args.steps):
+        for v, step in steps.items():
             start = time.perf_counter()
             step(x, y).numpy()
-            times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+            times[v].append(time.perf_counter() - start)
+    print(json.dumps({"ratio": statistics.median(times["rewritten"])
+                      / statistics.median(times["plain"])}))
+
+
+def in_fresh_process(flags: list[str], way: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs this script with `flags` in a process of its own, XLA's flags set
+    for `way` (and its program dumped); the JSON it prints last."""
+    with tempfile.TemporaryDirectory() as dump:
+        xla_flags = " ".join(f for f in (WAYS[way][1], f"--xla_dump_to={dump}"
+                                         if WAYS[way][0] else "") if f)
+        env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3",
+               "XLA_FLAGS": xla_flags}
+        proc = subprocess.run(
+            [sys.executable, __file__, *flags, "--size", str(args.size), "--batch",
+             str(args.batch), "--repeats", str(args.repeats), "--steps", str(args.steps)],
+            env=env, check=True, capture_output=True, text=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--compilations", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--time", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rows = ["| model | jit | segments | vanilla peak MB | rewritten peak MB | ratio "
-            "| step-time ratio |", "|---|---|---|---|---|---|---|"]
-    x = tf.random.normal((args.batch, args.size, args.size, 3))
-    y = tf.random.normal((args.batch, 10))
-    for name, build in MODELS.items():
-        keras.utils.set_random_seed(0)
-        model = build(weights=None, input_shape=(args.size, args.size, 3), classes=10)
-        segments = h.sqrt_segments(model)
-        rewritten = rewrite_model(model, h.plan_for(model, segments))
-        for jit in (False, True):
-            steps = {"vanilla": h.training_step(model, jit),
-                     "rewritten": h.training_step(rewritten, jit)}
-            peaks = {k: [h.step_peak_bytes(s, x, y) / 2**20] for k, s in steps.items()}
-            for _ in range(args.compilations - 1 if jit else 0):
-                for k, m in (("vanilla", model), ("rewritten", rewritten)):
-                    peaks[k].append(h.step_peak_bytes(h.training_step(m, jit), x, y) / 2**20)
-            seconds = step_seconds(steps, x, y, args.steps)
+    if args.peak:
+        return peak_worker(*args.peak, args)
+    if args.time:
+        return time_worker(*args.time, args)
+
+    def mib(value: int | None) -> str:
+        return "" if value is None else f"{value / MIB:.1f}"
+
+    rows = ["| model | way | segments | plain peak MiB (XLA's temp) | rewritten peak MiB "
+            "(XLA's temp) | ratio | saving kept | step-time ratio |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name in args.models.split(","):
+        executor_saving = None
+        segments = len(build_segments(name, args.size))
+        for way in WAYS:
+            peaks = {v: in_fresh_process(["--peak", name, way, v], way, args)
+                     for v in ("plain", "rewritten")}
+            ratio = in_fresh_process(["--time", name, way], way, args)["ratio"]
+            # XLA's own size where it has one: the allocator's chunk hides the saving.
+            sizes = {v: p["xla_temp"] or p["peak"] for v, p in peaks.items()}
+            saving = sizes["plain"] - sizes["rewritten"]
+            executor_saving = executor_saving or saving
             rows.append(
-                f"| {name} | {jit} | {len(segments)} | {_mb(peaks['vanilla'])} "
-                f"| {_mb(peaks['rewritten'])} "
-                f"| {min(peaks['rewritten']) / min(peaks['vanilla']):.2f}x "
-                f"| {seconds['rewritten'] / seconds['vanilla']:.2f}x |")
+                f"| {name} | {way} | {segments} "
+                f"| {mib(peaks['plain']['peak'])} ({mib(peaks['plain']['xla_temp'])}) "
+                f"| {mib(peaks['rewritten']['peak'])} ({mib(peaks['rewritten']['xla_temp'])}) "
+                f"| {sizes['rewritten'] / sizes['plain']:.2f}x "
+                f"| {saving / executor_saving:.0%} | {ratio:.2f}x |".replace(" ()", ""))
             print(rows[-1], flush=True)
     table = "\n".join([
-        f"Inputs {args.size}x{args.size}, batch {args.batch}, SGD, CPU, "
-        f"{args.steps} interleaved steps; peak above the memory live before the step; "
-        f"jit rows: smallest peak of {args.compilations} compilations (range).",
+        f"Inputs {args.size}x{args.size}, batch {args.batch}, SGD, CPU (2 cores). Peaks: "
+        f"allocator peak above the memory live before the step, smallest of "
+        f"{args.repeats} steps, each variant in a fresh process; in brackets, under "
+        "XLA, the step's temporary allocation as XLA's buffer assignment sized it, "
+        "which the ratio and the saving use. Saving kept: (plain - rewritten) over "
+        f"the executor's. Step time: median of {args.steps} steps run alternately.",
         "", *rows, ""])
     print(table)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "rewrite_memory.md"), "w") as f:
-        f.write("# Rewrite: peak memory and step time\n\n"
-                "Command: `python benchmarks/rewrite_memory.py`\n\n" + table)
+        f.write("# Rewrite: peak memory and step time, with and without XLA\n\n"
+                f"Command: `python benchmarks/rewrite_memory.py`\n\n{table}")
+
+
+def build_segments(name: str, size: int) -> list:
+    """The sqrt(n) segments of `name` (counted for the table)."""
+    import keras
+
+    from tests.rewriter import rewrite_helpers as h
+
+    return h.sqrt_segments(getattr(keras.applications, name)(
+        weights=None, input_shape=(size, size, 3), classes=10))
 
 
 if __name__ == "__main__":
