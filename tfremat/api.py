@@ -167,11 +167,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         TypeError, ValueError: a bad budget, planner, objective or offload.
         BudgetError: the budget is below the smallest feasible one; the message
             and `.min_budget_mb` say what that minimum is. With `measure`, it is
-            the lowest plan's higher measurement plus 5% when no measured plan
-            fits (the plan that measures lowest is measured twice); also when the prediction
-            says no plan fits, the plan of lowest predicted peak is measured
-            first: returned if it fits after all, stated as the minimum so if
-            not.
+            the higher of two measurements of the plan that measures lowest,
+            plus 5%, when no measured plan fits; also when the prediction says
+            no plan fits, the plan of lowest predicted peak is measured first:
+            returned if it fits after all, a minimum stated so if not.
 
     Example:
 

@@ -10,7 +10,9 @@ largest sum of live buffers plus the step's transient workspace (Chen et al.
 Sharing modes (the MXNet note's "memory cost estimation"):
     "none": nothing is ever freed or shared.
     "inplace": nothing is freed, but an elementwise call whose input has no
-        other pending reader writes its output into that input's buffer.
+        other pending reader writes its output into that input's buffer, and
+        so does the loss with the gradient of an output in
+        `PlanGraph.outputs_in_place`.
     "sharing": buffers are freed after their last reader and their memory is
         reused (TensorFlow's reference counting), plus in-place.
 
