@@ -2,8 +2,8 @@
 candidate plans on the device and keep the fastest that fits, leaving the model
 as it was."""
 
-import dataclasses
 import collections
+import dataclasses
 import math
 
 import keras
