@@ -9,8 +9,9 @@ as the blocks have no BatchNorm or dropout); tfremat's plan for the hand
 version's peak (the largest of its steps: the budget it meets) and its plan for
 the minimum its BudgetError states when asked for 1 MiB (a measured minimum),
 both chosen with `measure=True` as the `Planner` does, in a fresh process
-holding the model only (as a user's would; the process that measures every
-variant holds two models, and its trials measured 40-50 MiB higher); and
+holding the model only, as a user's would (in the process that measures every
+variant, which holds the hand-wrapped model too, trials measured the plain GPT
+step at 358-360 MiB, in fresh planning processes at 334-351); and
 tfremat's `every-unit` plan. Peaks: the allocator's peak of one SGD step
 (weights and batch included), median and largest of `--repeats` steps, each
 variant in a fresh process (as `planners.py`'s `fresh_peak_bytes`: a process
@@ -168,9 +169,7 @@ def plan_worker(name: str, budget_mib: float, plan_path: str) -> None:
 
 def fresh_plan(name: str, budget_mib: float) -> tuple[Any, dict[str, Any]]:
     """`tfremat.plan(..., measure=True)` for `name` in a fresh process: the plan,
-    or None and the BudgetError's message and stated minimum. (In the process
-    that also holds the hand-wrapped model and runs the other variants, the
-    trials measured every plan and the plain step 40-50 MiB higher.)"""
+    or None and the BudgetError's message and stated minimum."""
     from tfremat.core import Plan
 
     with tempfile.TemporaryDirectory() as directory:
