@@ -198,9 +198,14 @@ def peak_in_fresh_process(script: str, args: list[str], plan: Any, repeats: int)
         path = os.path.join(directory, "plan.json") if plan is not None else ""
         if plan is not None:
             plan.to_json(path)
-        proc = subprocess.run([sys.executable, script, *args, "--plan", path,
-                               "--repeats", str(repeats)],
-                              check=True, capture_output=True, text=True)
+        return json_from_process([script, *args, "--plan", path, "--repeats", str(repeats)])
+
+
+def json_from_process(args: list[str], env: dict[str, str] | None = None) -> Any:
+    """Runs `python *args` in a fresh process (with `env`, if given); the JSON it
+    prints last."""
+    proc = subprocess.run([sys.executable, *args], env=env, check=True,
+                          capture_output=True, text=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

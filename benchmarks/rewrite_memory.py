@@ -33,16 +33,15 @@ import glob
 import json
 import os
 import re
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")  # the repository: its tests' helpers
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from planners import json_from_process, step_seconds  # noqa: E402
 
 MODELS = ("ResNet50", "DenseNet121")
 WAYS = {"executor": (False, ""),
@@ -51,9 +50,9 @@ WAYS = {"executor": (False, ""),
 MIB = 2**20
 
 
-def build(name: str, size: int, variant: str) -> Any:
+def build(name: str, size: int, variant: str) -> tuple[Any, int]:
     """The keras.applications model `name`, rewritten with sqrt(n) segments
-    when `variant` is `"rewritten"`."""
+    when `variant` is `"rewritten"`; and the number of those segments."""
     import keras
 
     from tests.rewriter import rewrite_helpers as h
@@ -62,9 +61,10 @@ def build(name: str, size: int, variant: str) -> Any:
     keras.utils.set_random_seed(0)
     model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
                                               classes=10)
+    segments = h.sqrt_segments(model)
     if variant == "rewritten":
-        model = rewrite_model(model, h.plan_for(model, h.sqrt_segments(model)))
-    return model
+        model = rewrite_model(model, h.plan_for(model, segments))
+    return model, len(segments)
 
 
 def batch(size: int, batch_size: int) -> tuple[Any, Any]:
@@ -84,14 +84,15 @@ def xla_temp_bytes(dump: str) -> int | None:
 
 
 def peak_worker(name: str, way: str, variant: str, args: argparse.Namespace) -> None:
-    """One variant's step in this (fresh) process: prints its peak as JSON."""
+    """One variant's step in this (fresh) process: prints its peak and the
+    number of segments as JSON."""
     from tests.rewriter import rewrite_helpers as h
 
     x, y = batch(args.size, args.batch)
-    step = h.training_step(build(name, args.size, variant), WAYS[way][0])
-    peak = h.step_peak_bytes(step, x, y, repeats=args.repeats)
-    dump = os.environ.get("XLA_FLAGS", "").partition("--xla_dump_to=")[2].split(" ")[0]
-    print(json.dumps({"peak": peak, "xla_temp": xla_temp_bytes(dump) if dump else None}))
+    model, segments = build(name, args.size, variant)
+    step = h.training_step(model, WAYS[way][0])
+    print(json.dumps({"peak": h.step_peak_bytes(step, x, y, repeats=args.repeats),
+                      "segments": segments}))
 
 
 def time_worker(name: str, way: str, args: argparse.Namespace) -> None:
@@ -99,33 +100,28 @@ def time_worker(name: str, way: str, args: argparse.Namespace) -> None:
     from tests.rewriter import rewrite_helpers as h
 
     x, y = batch(args.size, args.batch)
-    steps = {v: h.training_step(build(name, args.size, v), WAYS[way][0])
-             for v in ("plain", "rewritten")}
-    times: dict[str, list[float]] = {v: [] for v in steps}
-    for v, step in steps.items():
-        step(x, y).numpy()
-    for _ in range(args.steps):
-        for v, step in steps.items():
-            start = time.perf_counter()
-            step(x, y).numpy()
-            times[v].append(time.perf_counter() - start)
-    print(json.dumps({"ratio": statistics.median(times["rewritten"])
-                      / statistics.median(times["plain"])}))
+    runs = {}
+    for v in ("plain", "rewritten"):
+        step = h.training_step(build(name, args.size, v)[0], WAYS[way][0])
+        step(x, y).numpy()  # trace and compile
+        runs[v] = lambda step=step: step(x, y).numpy()
+    seconds = step_seconds(runs, args.steps)
+    print(json.dumps({"ratio": seconds["rewritten"] / seconds["plain"]}))
 
 
 def in_fresh_process(flags: list[str], way: str, args: argparse.Namespace) -> dict[str, Any]:
     """Runs this script with `flags` in a process of its own, XLA's flags set
-    for `way` (and its program dumped); the JSON it prints last."""
+    for `way`; the JSON it prints last, with `"xla_temp"` (under XLA, read from
+    the program it dumped; else None)."""
     with tempfile.TemporaryDirectory() as dump:
         xla_flags = " ".join(f for f in (WAYS[way][1], f"--xla_dump_to={dump}"
                                          if WAYS[way][0] else "") if f)
         env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3",
                "XLA_FLAGS": xla_flags}
-        proc = subprocess.run(
-            [sys.executable, __file__, *flags, "--size", str(args.size), "--batch",
-             str(args.batch), "--repeats", str(args.repeats), "--steps", str(args.steps)],
-            env=env, check=True, capture_output=True, text=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        result = json_from_process(
+            [__file__, *flags, "--size", str(args.size), "--batch", str(args.batch),
+             "--repeats", str(args.repeats), "--steps", str(args.steps)], env=env)
+        return {**result, "xla_temp": xla_temp_bytes(dump) if WAYS[way][0] else None}
 
 
 def main() -> None:
@@ -151,7 +147,6 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):
         executor_saving = None
-        segments = len(build_segments(name, args.size))
         for way in WAYS:
             peaks = {v: in_fresh_process(["--peak", name, way, v], way, args)
                      for v in ("plain", "rewritten")}
@@ -161,7 +156,7 @@ def main() -> None:
             saving = sizes["plain"] - sizes["rewritten"]
             executor_saving = executor_saving or saving
             rows.append(
-                f"| {name} | {way} | {segments} "
+                f"| {name} | {way} | {peaks['rewritten']['segments']} "
                 f"| {mib(peaks['plain']['peak'])} ({mib(peaks['plain']['xla_temp'])}) "
                 f"| {mib(peaks['rewritten']['peak'])} ({mib(peaks['rewritten']['xla_temp'])}) "
                 f"| {sizes['rewritten'] / sizes['plain']:.2f}x "
@@ -180,16 +175,6 @@ def main() -> None:
     with open(os.path.join(HERE, "results", "rewrite_memory.md"), "w") as f:
         f.write("# Rewrite: peak memory and step time, with and without XLA\n\n"
                 f"Command: `python benchmarks/rewrite_memory.py`\n\n{table}")
-
-
-def build_segments(name: str, size: int) -> list:
-    """The sqrt(n) segments of `name` (counted for the table)."""
-    import keras
-
-    from tests.rewriter import rewrite_helpers as h
-
-    return h.sqrt_segments(getattr(keras.applications, name)(
-        weights=None, input_shape=(size, size, 3), classes=10))
 
 
 if __name__ == "__main__":

@@ -31,14 +31,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import (RESULTS, Runner, model_names, peak_in_fresh_process,  # noqa: E402
-                      run_header, run_worker, step_seconds)
+from planners import (RESULTS, Runner, json_from_process, model_names,  # noqa: E402
+                      peak_in_fresh_process, run_header, run_worker, step_seconds)
 
 MIB = 2**20
 
@@ -139,16 +138,22 @@ def peak_worker(name: str, variant: str, plan_path: str, repeats: int) -> None:
     """`fresh_peaks`'s process: prints the peak of each step, in bytes, on the
     model's `sample` batch (as a user's tokens; all-zero tokens measured the plain
     GPT step 15 MiB lower)."""
-    import tfremat
     from tfremat.core import Plan
 
     model, batch = build(name, hand=variant == "hand")
     data = sample(model, batch)
     if variant == "plan":
-        rewritten = tfremat.rewrite(model, Plan.from_json(plan_path))
-        rewritten.compile(optimizer=model.optimizer.__class__(0.01), loss=model.loss)
-        model = rewritten
+        model = planned(model, Plan.from_json(plan_path))
     print(json.dumps(Runner(model, batch, data).step_peaks(repeats)))
+
+
+def planned(model: Any, plan: Any) -> Any:
+    """`model` rewritten with `plan`, compiled as `build` compiles it."""
+    import tfremat
+
+    rewritten = tfremat.rewrite(model, plan)
+    rewritten.compile(optimizer=model.optimizer.__class__(0.01), loss=model.loss)
+    return rewritten
 
 
 def plan_worker(name: str, budget_mib: float, plan_path: str) -> None:
@@ -174,10 +179,8 @@ def fresh_plan(name: str, budget_mib: float) -> tuple[Any, dict[str, Any]]:
 
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "plan.json")
-        proc = subprocess.run([sys.executable, __file__, "--make-plan", name, "--budget",
-                               str(budget_mib), "--plan", path],
-                              check=True, capture_output=True, text=True)
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = json_from_process([__file__, "--make-plan", name, "--budget",
+                                    str(budget_mib), "--plan", path])
         return (Plan.from_json(path) if not result else None), result
 
 
@@ -201,9 +204,7 @@ def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
         if plan is None:
             rows[key] = {"error": error["error"]}
             return
-        rewritten = tfremat.rewrite(model, plan)
-        rewritten.compile(optimizer=model.optimizer.__class__(0.01), loss=model.loss)
-        models[key] = rewritten
+        models[key] = planned(model, plan)
         rows[key] = {"predicted_mib": plan.peak_bytes / MIB, "planner": plan.planner,
                      "segments": len(plan.segments), "updates": plan.update_in_backward,
                      "trials": plan.estimates.details.get("trials", []),
