@@ -25,6 +25,11 @@ from tfremat.graph.tracing import TracedStep, trace
 
 LOSS = "<loss>"
 UPDATE = "<update>"
+#: Ops after the backward pass that wait for no gradient: Keras's metrics, which
+#: read the outputs and the targets. Keras computes them after the optimizer's
+#: update in Python, but nothing orders them after it, and TensorFlow runs an op
+#: once its inputs exist: beside the loss.
+METRICS = "<metrics>"
 
 _Root = tuple[int, int]  # (op index, output index) of the buffer's first tensor
 
@@ -125,13 +130,14 @@ class _Dataflow:
 def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
     n = len(traced.ops)
     owner: list[str | None] = [None] * n
+    waits = [traced.backward_start <= i < traced.backward_end for i in range(n)]
     for site_id, (start, end) in traced.ranges.items():
         for i in range(start, min(end, traced.forward_end)):
             owner[i] = site_id
     for i in range(traced.forward_end, traced.backward_start):
         owner[i] = LOSS
     for i in range(traced.backward_end, n):
-        owner[i] = UPDATE
+        owner[i] = UPDATE if _waits_for_gradients(flow, i, waits) else METRICS
     # Backward ops: "gradient_tape/<forward op or scope>/..." names the forward
     # op whose gradient they compute.
     scope_owner: dict[str, str | None] = {}
@@ -162,6 +168,16 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
         else:
             following = owner[i]
     return owner
+
+
+def _waits_for_gradients(flow: _Dataflow, i: int, waits: list[bool]) -> bool:
+    """Whether op `i`, made after the backward pass, depends (by data or
+    control) on an op of the backward pass; `waits` holds the answer for the
+    ops before it and takes op `i`'s."""
+    op = flow.ops[i]
+    waits[i] = any(waits[flow.index[t.op.name]] for t in op.inputs) or any(
+        waits[flow.index[c.name]] for c in op.control_inputs)
+    return waits[i]
 
 
 def _scratch_spans(positions: list[int], local: dict[int, int],
@@ -216,7 +232,7 @@ def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
     pending_owner, pending = None, 0
     for i in bwd:
         v = owner[i]
-        if v not in (None, LOSS, UPDATE):
+        if v not in (None, LOSS, UPDATE, METRICS):
             carry[v] = max(carry.get(v, 0), pending if pending_owner != v else 0)
         readers = [c for j in range(len(flow.ops[i].outputs))
                    for c in flow.readers[flow.root[(i, j)]]]
@@ -335,10 +351,10 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     internal_saved: dict[str, int] = collections.Counter()
     for r, nbytes in flow.size.items():
         v = owner[r[0]]
-        if v in (None, LOSS, UPDATE) or r[0] >= traced.backward_start:
+        if v in (None, LOSS, UPDATE, METRICS) or r[0] >= traced.backward_start:
             continue
         bwd_readers = {owner[c] for c in flow.readers[r] if c in bwd}
-        bwd_readers -= {None, LOSS, UPDATE}
+        bwd_readers -= {None, LOSS, UPDATE, METRICS}
         if not bwd_readers:
             continue
         ref = out_ref.get(r)
@@ -351,7 +367,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     # Op indices of each call's forward and backward, of the loss and the update.
     positions: dict[Any, list[int]] = collections.defaultdict(list)
     for i, o in enumerate(owner):
-        key = o if o in (LOSS, UPDATE) else (o, i < traced.forward_end)
+        key = o if o in (LOSS, UPDATE, METRICS) else (o, i < traced.forward_end)
         positions[key].append(i)
 
     nodes: list[Node] = []
@@ -424,10 +440,16 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     homes = _written_in_place(loss_pos, flow)
     made_at_loss = set(loss_pos)
     # A buffer the loss writes into one made before it (a dying output's) is
-    # no new memory: the output's gradient then takes the output's place.
+    # no new memory: the output's gradient then takes the output's place. One
+    # whose contents, written in place down a chain, outlive the loss is the
+    # gradient the backward pass reads, no workspace.
+    outliving = {home for r, home in homes.items()
+                 if any(owner[c] != LOSS for c in flow.readers[r])}
     loss_ws = _peak_of_temporaries(
-        loss_pos, flow, lambda r: homes[r][0] in made_at_loss
+        loss_pos, flow, lambda r: homes[r][0] in made_at_loss and homes[r] not in outliving
         and all(owner[c] == LOSS for c in flow.readers[r]))
+    metrics_ws = _peak_of_temporaries(
+        positions[METRICS], flow, lambda r: all(owner[c] == METRICS for c in flow.readers[r]))
     outputs_in_place = sorted({
         out_ref[home] for r, home in homes.items()
         if home[0] not in made_at_loss and home in out_ref
@@ -452,7 +474,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         persistent["all_reduce"] = int(sum(flow.size[r] for r in packs))
     return PlanGraph(
         nodes=nodes, persistent_bytes=persistent,
-        update_workspace_bytes=update_ws, loss_workspace_bytes=loss_ws,
+        update_workspace_bytes=update_ws, loss_workspace_bytes=loss_ws + metrics_ws,
         outputs=output_refs, outputs_in_place=outputs_in_place, name=model.name,
         metadata={
             "batch_shape": [list(s.shape) for s in x_flat],
