@@ -28,7 +28,7 @@ MEASURED_LABEL = "measured peak"
 
 def _is_recompute(label: str) -> bool:
     """Whether a schedule step belongs to a segment's recomputation."""
-    return "(recompute" in label or label.startswith("copy inputs of segment")
+    return "(recompute" in label
 
 
 def _spans(flags: Sequence[bool]) -> list[tuple[int, int]]:

@@ -1,9 +1,11 @@
 """The recompute waits for the incoming gradient: with gradients that are not
-finite, and from integer or boolean inputs."""
+finite, from integer or boolean inputs, and after Grappler."""
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.grappler import tf_optimizer
 
 from tfremat.rewriter import exact_recompute
 from tfremat.rewriter.recompute_grad import recompute_grad
@@ -88,3 +90,42 @@ def test_a_unit_fed_only_a_boolean_mask_recomputes_after_its_gradient_arrives():
     # The forward matmul, the recomputed one and the kernel's gradient matmul:
     # the last two wait for the gradient.
     assert len(matmuls) == 3 and len(waiting) == 2, [op.name for op in matmuls]
+
+
+def test_the_recompute_reads_its_input_uncopied_and_waits_after_grappler():
+    """The input reaches the recompute through an `IdentityN` with the
+    gradient's dependency: no copy. Unmarked, Grappler removes it with the
+    dependency, and the recompute may run in the forward pass."""
+    first, second = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8)
+
+    @tf.function
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            out = exact_recompute.recompute(lambda t: second(first(t)), [x], [first, second])
+        return tape.gradient(out, first.trainable_variables + second.trainable_variables,
+                             output_gradients=upstream)
+
+    concrete = step.get_concrete_function(tf.TensorSpec((4, 8)), tf.TensorSpec((4, 8)))
+    graph = concrete.graph
+    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(), graph=graph)
+    meta.collection_def["train_op"].node_list.value.extend(
+        [t.op.name for t in concrete.outputs])
+    optimized = {n.name: n for n in tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta).node}
+    [after] = [n for n in optimized.values() if n.op == "IdentityN"]
+    x, upstream = (t.op.name for t in graph.inputs[:2])
+    assert after.input[0] == x  # the input itself: IdentityN hands its buffer on
+    assert upstream in _ancestor_names(optimized, after.input[1])
+    # The recomputed ReLU reads it (the forward one is pruned: nothing reads it).
+    [relu] = [n for n in optimized.values() if n.op == "Relu"]
+    assert after.name in _ancestor_names(optimized, relu.name)
+
+
+def _ancestor_names(nodes: dict, name: str) -> set[str]:
+    """Names of the node `name` and its ancestors in an optimised GraphDef."""
+    seen, todo = set(), [name]
+    while todo:
+        name = todo.pop().lstrip("^").split(":")[0]
+        if name not in seen:
+            seen.add(name)
+            todo.extend(nodes[name].input)
+    return seen

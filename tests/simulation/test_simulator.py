@@ -96,9 +96,9 @@ def test_recompute_segments_lower_the_peak_and_cost_one_forward():
     # Every node inside a segment runs its forward twice.
     assert est.extra_flops == 16 * 10.0
     assert est.overhead == pytest.approx(160.0 / (16 * 30.0))
-    # In the last segment's backward: its input l11 and the copy the recompute
-    # reads (tf.recompute_grad's `input + 0 * dep`), the 4 recomputed outputs,
-    # and gradients; l3 and l7 are long gone, 16 activations were alive before.
+    # In the last segment's backward: its input l11, which the recompute reads
+    # in place, the 4 recomputed outputs, and gradients; l3 and l7 are long
+    # gone, 16 activations were alive before.
     assert est.activation_peak_bytes < 10 * MB < plain.activation_peak_bytes
 
 

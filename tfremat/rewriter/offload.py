@@ -31,28 +31,12 @@ import keras
 import tensorflow as tf
 from keras import tree
 from keras.src.backend import get_keras_mask, set_keras_mask
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.ops import control_flow_util
 
+from tfremat.rewriter.compilers import in_xla, keep
 from tfremat.rewriter.exact_recompute import (AddedLosses, carry_logits, check_same_losses,
                                               collects_losses, inner_call_context,
                                               logits_at, logits_positions, replace_loss,
                                               state_variables, with_masks)
-
-KEEP_ATTR = "_grappler_do_not_remove"
-
-
-def _keep(tensor: tf.Tensor) -> tf.Tensor:
-    """Marks the op making `tensor` so that Grappler does not remove it."""
-    if not tf.executing_eagerly():
-        tensor.op._set_attr(KEEP_ATTR, attr_value_pb2.AttrValue(b=True))
-    return tensor
-
-
-def _in_xla() -> bool:
-    if tf.executing_eagerly():
-        return False
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def to_host(tensor: Any, host_device: str) -> tf.Tensor:
@@ -68,7 +52,7 @@ def to_host(tensor: Any, host_device: str) -> tf.Tensor:
         The host copy.
     """
     with tf.device(host_device):
-        return _keep(tf.identity(tensor, name="offload_to_host"))
+        return keep(tf.identity(tensor, name="offload_to_host"))
 
 
 def from_host(host_copy: tf.Tensor, compute_device: str,
@@ -116,9 +100,9 @@ def keep_if_read(copies: Sequence[tf.Tensor], results: Sequence[Any]) -> None:
         while stack:
             op = stack.pop()
             if id(op) in targets:
-                _keep(copy)
+                keep(copy)
                 if copy.op.inputs[0].op.name.endswith("prefetch_gate"):
-                    _keep(copy.op.inputs[0])
+                    keep(copy.op.inputs[0])
                 break
             for out in op.outputs:
                 for reader in out.consumers():
@@ -176,7 +160,7 @@ def signal_gradient(inputs: Sequence[Any], signals: GradientSignals, key: str) -
             dys = [tf.zeros_like(x) if dy is None else dy for x, dy in zip(xs, dys)]
             # A side identity, off the gradient's data path, so that Grappler
             # fuses the trigger's backward as in the original model.
-            signals.record(key, _keep(tf.identity(dys[0], name="prefetch_trigger")))
+            signals.record(key, keep(tf.identity(dys[0], name="prefetch_trigger")))
             return dys
 
         return [tf.identity(x) for x in xs], grad
@@ -222,7 +206,7 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
         UnsupportedModelError: the re-run added other losses than the forward
             pass.
     """
-    if _in_xla():
+    if in_xla():
         warnings.warn(
             "A host-offload unit is traced inside an XLA-compiled function "
             "(jit_compile=True); XLA ignores tf.device, so nothing is offloaded. "

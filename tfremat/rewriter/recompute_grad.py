@@ -4,15 +4,19 @@
 `x + where(g == g, 0, nan)`. Grappler folds `g == g` to true, which removes the
 dependency: the recompute may then run as soon as its inputs exist, often in
 the forward pass, and the memory saving is lost (measured: a U-Net segment peaked
-at 484 MiB against 371 MiB with Grappler off). Here the dependency is
-`x + min(|g|, 0)`: 0 for every finite gradient, NaN for NaN, and nothing an
-optimizer may fold. Integer inputs (token ids) get the NaN as 0: cast to an
+at 484 MiB against 371 MiB with Grappler off). Here the dependency `dep` is
+`min(|g|, 0)`: 0 for every finite gradient, NaN for NaN, and nothing an
+optimizer may fold. It reads every output's gradient: `tf.recompute_grad`
+waits for the first only, so a segment whose other output feeds a skip
+connection recomputed as soon as that early gradient arrived.
+
+Each input reaches the recompute through `IdentityN([x, dep])`, which hands on
+`x`'s own buffer once `dep` exists (no copy), marked so that Grappler keeps it.
+Under XLA, which ignores the mark, through `x + dep` (a copy XLA's buffer
+assignment may reuse): integer inputs (token ids) get a NaN as 0 (cast to an
 integer it would be an index of about -2**31, and the recompute's gather would
-fail where the step without recompute goes on with NaN gradients. Boolean
-inputs (masks) wait through `x or False`. It reads
-every output's gradient: `tf.recompute_grad` waits for the first only, so a
-segment whose other output feeds a skip connection recomputed as soon as that
-early gradient arrived.
+fail where the step without recompute goes on with NaN gradients), boolean
+ones (masks) wait through `x or False`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow.python.eager import record
+
+from tfremat.rewriter.compilers import in_xla, keep
 
 #: `after_grads(input_grads, variables, variable_grads)` of a unit's gradient
 #: function, returning the input and variable gradients to hand on (e.g. after
@@ -55,8 +61,7 @@ def recompute_grad(f: Callable[..., Any],
             firsts = [tf.cast(tf.reshape(g, [-1])[:1], tf.float32) for g in dresult
                       if g is not None]
             dep = tf.minimum(tf.abs(tf.reduce_max(tf.concat(firsts, 0))), 0.0)
-            finite_dep = tf.where(tf.math.is_nan(dep), 0.0, dep)
-            recompute_args = [_after(x, dep, finite_dep) for x in args]
+            recompute_args = _after(list(args), dep)
             variables = list(variables or [])
             with tf.GradientTape() as tape:
                 tape.watch([x for x in recompute_args if x.dtype.is_floating])
@@ -74,12 +79,15 @@ def recompute_grad(f: Callable[..., Any],
     return inner
 
 
-def _after(x: tf.Tensor, dep: tf.Tensor, finite_dep: tf.Tensor) -> tf.Tensor:
-    """`x`, computed once `dep` (0 or NaN) exists: `x + dep` when floating,
-    `x + 0` when integer, `x or False` when boolean."""
-    if x.dtype.is_bool:
-        return tf.logical_or(x, tf.cast(finite_dep, tf.bool))
-    return x + tf.cast(dep if x.dtype.is_floating else finite_dep, x.dtype)
+def _after(args: list[tf.Tensor], dep: tf.Tensor) -> list[tf.Tensor]:
+    """`args`, each available once `dep` (0, or NaN) exists."""
+    if not in_xla():
+        return [keep(tf.raw_ops.IdentityN(input=[x, dep], name="after_gradients")[0])
+                for x in args]
+    finite_dep = tf.where(tf.math.is_nan(dep), 0.0, dep)
+    return [tf.logical_or(x, tf.cast(finite_dep, tf.bool)) if x.dtype.is_bool
+            else x + tf.cast(dep if x.dtype.is_floating else finite_dep, x.dtype)
+            for x in args]
 
 
 def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., Any]:

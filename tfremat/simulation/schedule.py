@@ -251,10 +251,9 @@ class Schedule:
                     self._unit_layers = self._own_layers(unit)
                 sub = self._units_of(unit)
                 inner = _Context(ctx)
-                originals = self._copy_segment_inputs(unit, ctx, inner)
                 self.forward(sub, inner, record=True)
                 self.backward(sub, inner)
-                for key in originals:  # the recompute's closure held them so far
+                for key in self._segment_inputs(unit, ctx):  # the closure held them so far
                     self._use(key, len(self.labels) - 1)
                 if top:
                     self._update_unit(self._unit_grads, len(self.labels) - 1)
@@ -262,31 +261,15 @@ class Schedule:
             elif self.requires_grad[unit.id]:
                 self._backward_node(unit, ctx)
 
-    def _copy_segment_inputs(self, segment: Segment, ctx: "_Context",
-                             inner: "_Context") -> list[Key]:
-        """The rewriter's `recompute_grad` recomputes from `input + dep`, with
-        `dep` (0) read from the incoming gradients so the recompute waits for
-        them: each floating input is copied, and the recompute reads the copy.
-
-        Returns:
-            The keys of the original inputs, alive until the segment's backward ends.
-        """
+    def _segment_inputs(self, segment: Segment, ctx: "_Context") -> list[Key]:
+        """The keys of a segment's inputs from outside it, which its recompute
+        reads in place (the rewriter hands them on through an `IdentityN` that
+        waits for the gradients, no copy) and its closure holds until the
+        segment's backward ends."""
         inside = set(segment.nodes)
         refs = [r for n in segment.nodes for r in self.graph.node(n).inputs
                 if r.rsplit(":", 1)[0] not in inside]
-        refs = [r for r in dict.fromkeys(refs) if self.graph.tensor(r).differentiable]
-        if not refs:
-            return []
-        step = self._step(f"copy inputs of segment {segment.nodes[0]}..{segment.nodes[-1]}")
-        originals = []
-        for ref in refs:
-            original = ctx.resolve(ref)
-            self._use(original, step)
-            originals.append(original)
-            key = (ref, inner.uid)
-            self._alloc(key, self.size[original] and self.graph.tensor(ref).bytes, step)
-            inner.keys[ref] = key
-        return originals
+        return [ctx.resolve(r) for r in dict.fromkeys(refs)]
 
     def _backward_node(self, node: Node, ctx: "_Context") -> None:
         step = self._step(f"bwd {node.id}", node.backward_workspace_bytes,
