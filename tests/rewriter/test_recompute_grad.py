@@ -129,3 +129,24 @@ def _ancestor_names(nodes: dict, name: str) -> set[str]:
             seen.add(name)
             todo.extend(nodes[name].input)
     return seen
+
+
+def test_under_xla_the_recompute_waits_through_an_addition():
+    """XLA ignores Grappler's mark and would drop an `IdentityN`'s unread
+    input: there the dependency is data, `x + dep`."""
+    dense = keras.layers.Dense(8)
+
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            out = exact_recompute.recompute(dense, [x], [dense])
+        return tape.gradient(out, dense.trainable_variables, output_gradients=upstream)
+
+    specs = tf.TensorSpec((4, 8)), tf.TensorSpec((4, 8))
+    for jit, kind in [(False, "IdentityN"), (True, "AddV2")]:
+        graph = tf.function(step, jit_compile=jit).get_concrete_function(*specs).graph
+        x, upstream = (t.op.name for t in graph.inputs[:2])
+        ops = graph.get_operations()
+        waiting = [op for op in ops if op.type == kind and x in {t.op.name for t in op.inputs}
+                   and upstream in _ancestors(op.outputs[0])]
+        assert len(waiting) == 1, (jit, [op.name for op in ops])
+        assert any(op.name.startswith("after_gradients") for op in ops) == (not jit)
