@@ -98,10 +98,10 @@ def test_a_language_model_is_predicted_as_measured():
 
 def test_a_language_model_with_metrics_is_predicted_as_measured():
     """A vocabulary of 32000 over 64 tokens (62.5 MiB of logits), compiled with
-    accuracy: predicted 250.7 MiB against 256.8 measured (without the metrics
-    beside the loss: 204). Narrower models can measure up to a fifth above
-    their prediction: the argmax's int32 temporary gets a chunk of up to twice
-    its size from TensorFlow's BFC allocator (docs/limitations.md)."""
+    accuracy: predicted 250.7 MiB against 256.8 measured. Narrower models can
+    measure up to a fifth above their prediction: the argmax's int32 temporary
+    gets a chunk of up to twice its size from TensorFlow's BFC allocator
+    (docs/limitations.md)."""
     peaks = run_fresh(_LM_PEAKS, LM_OPTIONS=json.dumps(
         {"metrics": ["accuracy"], "vocab": 32000, "tokens": 64, "width": 128}))
     assert abs(peaks["predicted"] / peaks["measured"] - 1) <= 0.1, peaks
