@@ -30,6 +30,8 @@ UPDATE = "<update>"
 #: update in Python, but nothing orders them after it, and TensorFlow runs an op
 #: once its inputs exist: beside the loss.
 METRICS = "<metrics>"
+#: Owners of ops that belong to no layer call.
+_NOT_CALLS = (None, LOSS, UPDATE, METRICS)
 
 _Root = tuple[int, int]  # (op index, output index) of the buffer's first tensor
 
@@ -130,14 +132,19 @@ class _Dataflow:
 def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
     n = len(traced.ops)
     owner: list[str | None] = [None] * n
-    waits = [traced.backward_start <= i < traced.backward_end for i in range(n)]
     for site_id, (start, end) in traced.ranges.items():
         for i in range(start, min(end, traced.forward_end)):
             owner[i] = site_id
     for i in range(traced.forward_end, traced.backward_start):
         owner[i] = LOSS
+    # After the backward pass: the update, whose ops depend (by data or
+    # control) on a gradient op, and the metrics, whose ops do not.
+    waits = [traced.backward_start <= i < traced.backward_end for i in range(n)]
     for i in range(traced.backward_end, n):
-        owner[i] = UPDATE if _waits_for_gradients(flow, i, waits) else METRICS
+        op = flow.ops[i]
+        waits[i] = any(waits[flow.index[t.op.name]] for t in op.inputs) or any(
+            waits[flow.index[c.name]] for c in op.control_inputs)
+        owner[i] = UPDATE if waits[i] else METRICS
     # Backward ops: "gradient_tape/<forward op or scope>/..." names the forward
     # op whose gradient they compute.
     scope_owner: dict[str, str | None] = {}
@@ -168,16 +175,6 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
         else:
             following = owner[i]
     return owner
-
-
-def _waits_for_gradients(flow: _Dataflow, i: int, waits: list[bool]) -> bool:
-    """Whether op `i`, made after the backward pass, depends (by data or
-    control) on an op of the backward pass; `waits` holds the answer for the
-    ops before it and takes op `i`'s."""
-    op = flow.ops[i]
-    waits[i] = any(waits[flow.index[t.op.name]] for t in op.inputs) or any(
-        waits[flow.index[c.name]] for c in op.control_inputs)
-    return waits[i]
 
 
 def _scratch_spans(positions: list[int], local: dict[int, int],
@@ -232,7 +229,7 @@ def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
     pending_owner, pending = None, 0
     for i in bwd:
         v = owner[i]
-        if v not in (None, LOSS, UPDATE, METRICS):
+        if v not in _NOT_CALLS:
             carry[v] = max(carry.get(v, 0), pending if pending_owner != v else 0)
         readers = [c for j in range(len(flow.ops[i].outputs))
                    for c in flow.readers[flow.root[(i, j)]]]
@@ -351,10 +348,10 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     internal_saved: dict[str, int] = collections.Counter()
     for r, nbytes in flow.size.items():
         v = owner[r[0]]
-        if v in (None, LOSS, UPDATE, METRICS) or r[0] >= traced.backward_start:
+        if v in _NOT_CALLS or r[0] >= traced.backward_start:
             continue
         bwd_readers = {owner[c] for c in flow.readers[r] if c in bwd}
-        bwd_readers -= {None, LOSS, UPDATE, METRICS}
+        bwd_readers -= set(_NOT_CALLS)
         if not bwd_readers:
             continue
         ref = out_ref.get(r)
@@ -450,10 +447,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         and all(owner[c] == LOSS for c in flow.readers[r]))
     metrics_ws = _peak_of_temporaries(
         positions[METRICS], flow, lambda r: all(owner[c] == METRICS for c in flow.readers[r]))
-    outputs_in_place = sorted({
-        out_ref[home] for r, home in homes.items()
-        if home[0] not in made_at_loss and home in out_ref
-        and any(owner[c] != LOSS for c in flow.readers[r])})
+    outputs_in_place = sorted({out_ref[home] for home in outliving
+                               if home[0] not in made_at_loss and home in out_ref})
     packs = _all_reduce_packs(update_pos, flow) if traced.replicas > 1 else set()
     update_ws = _peak_of_temporaries(update_pos, flow, lambda r: r not in packs)
     output_refs = traced.output_refs or _dynamic_outputs(owner, flow, out_ref)
