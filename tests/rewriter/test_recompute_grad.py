@@ -39,6 +39,20 @@ def test_finite_gradients_are_those_without_recompute():
     np.testing.assert_array_equal(recomputed, plain)
 
 
+def recompute_step(fn, layers: list, x: tf.TensorSpec, upstream: tf.TensorSpec,
+                   jit_compile: bool = False):
+    """The concrete function of one recompute of `fn` over `x` and the
+    gradients of `layers`' weights given the output's gradient `upstream`."""
+
+    def step(inputs, output_gradient):
+        with tf.GradientTape() as tape:
+            out = exact_recompute.recompute(fn, [inputs], layers)
+        return tape.gradient(out, [v for layer in layers for v in layer.trainable_variables],
+                             output_gradients=output_gradient)
+
+    return tf.function(step, jit_compile=jit_compile).get_concrete_function(x, upstream)
+
+
 def _ancestors(tensor: tf.Tensor) -> set[str]:
     seen, todo = set(), [tensor.op]
     while todo:
@@ -54,16 +68,8 @@ def test_a_unit_fed_only_token_ids_recomputes_after_its_gradient_arrives():
     # Bound as constants, the ids let the whole recompute (gather, dense) run
     # in the forward pass, keeping what it was meant to drop.
     embed, dense = keras.layers.Embedding(6, 4), keras.layers.Dense(3)
-
-    @tf.function
-    def step(ids, upstream):
-        with tf.GradientTape() as tape:
-            out = exact_recompute.recompute(lambda t: dense(embed(t)), [ids], [embed, dense])
-        return tape.gradient(out, dense.trainable_variables + embed.trainable_variables,
-                             output_gradients=upstream)
-
-    ids = tf.TensorSpec((2, 5), tf.int32)
-    graph = step.get_concrete_function(ids, tf.TensorSpec((2, 5, 3), tf.float32)).graph
+    graph = recompute_step(lambda t: dense(embed(t)), [embed, dense],
+                           tf.TensorSpec((2, 5), tf.int32), tf.TensorSpec((2, 5, 3))).graph
     upstream = graph.inputs[1].op.name
     gathers = [op for op in graph.get_operations() if "Gather" in op.type]
     waiting = [op for op in gathers if upstream in _ancestors(op.outputs[0])]
@@ -74,16 +80,8 @@ def test_a_unit_fed_only_a_boolean_mask_recomputes_after_its_gradient_arrives():
     # With a dummy argument instead of the mask, nothing in the recompute read
     # an argument: it ran in the forward pass.
     dense = keras.layers.Dense(3)
-
-    @tf.function
-    def step(mask, upstream):
-        with tf.GradientTape() as tape:
-            out = exact_recompute.recompute(
-                lambda m: dense(tf.cast(m, tf.float32)), [mask], [dense])
-        return tape.gradient(out, dense.trainable_variables, output_gradients=upstream)
-
-    mask = tf.TensorSpec((2, 5), tf.bool)
-    graph = step.get_concrete_function(mask, tf.TensorSpec((2, 3), tf.float32)).graph
+    graph = recompute_step(lambda m: dense(tf.cast(m, tf.float32)), [dense],
+                           tf.TensorSpec((2, 5), tf.bool), tf.TensorSpec((2, 3))).graph
     upstream = graph.inputs[1].op.name
     matmuls = [op for op in graph.get_operations() if op.type == "MatMul"]
     waiting = [op for op in matmuls if upstream in _ancestors(op.outputs[0])]
@@ -97,15 +95,8 @@ def test_the_recompute_reads_its_input_uncopied_and_waits_after_grappler():
     gradient's dependency: no copy. Unmarked, Grappler removes it with the
     dependency, and the recompute may run in the forward pass."""
     first, second = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8)
-
-    @tf.function
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            out = exact_recompute.recompute(lambda t: second(first(t)), [x], [first, second])
-        return tape.gradient(out, first.trainable_variables + second.trainable_variables,
-                             output_gradients=upstream)
-
-    concrete = step.get_concrete_function(tf.TensorSpec((4, 8)), tf.TensorSpec((4, 8)))
+    concrete = recompute_step(lambda t: second(first(t)), [first, second],
+                              tf.TensorSpec((4, 8)), tf.TensorSpec((4, 8)))
     graph = concrete.graph
     meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(), graph=graph)
     meta.collection_def["train_op"].node_list.value.extend(
@@ -135,15 +126,9 @@ def test_under_xla_the_recompute_waits_through_an_addition():
     """XLA ignores Grappler's mark and would drop an `IdentityN`'s unread
     input: there the dependency is data, `x + dep`."""
     dense = keras.layers.Dense(8)
-
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            out = exact_recompute.recompute(dense, [x], [dense])
-        return tape.gradient(out, dense.trainable_variables, output_gradients=upstream)
-
-    specs = tf.TensorSpec((4, 8)), tf.TensorSpec((4, 8))
     for jit, kind in [(False, "IdentityN"), (True, "AddV2")]:
-        graph = tf.function(step, jit_compile=jit).get_concrete_function(*specs).graph
+        graph = recompute_step(dense, [dense], tf.TensorSpec((4, 8)), tf.TensorSpec((4, 8)),
+                               jit_compile=jit).graph
         x, upstream = (t.op.name for t in graph.inputs[:2])
         ops = graph.get_operations()
         waiting = [op for op in ops if op.type == kind and x in {t.op.name for t in op.inputs}
