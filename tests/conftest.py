@@ -6,7 +6,10 @@ They share one allocator (docs/how-it-works.md, "What was measured and what was
 only reasoned"), so memory measurements are unaffected.
 """
 
+import contextlib
 import os
+import pathlib
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -15,6 +18,11 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 import pytest  # noqa: E402
+
+try:
+    import fcntl
+except ImportError:  # Windows: tests marked `alone` run beside others there
+    fcntl = None
 
 
 def _configure_logical_cpus() -> None:
@@ -37,3 +45,43 @@ def _clear_keras_session():
 
     keras.backend.clear_session()
     yield
+
+
+@contextlib.contextmanager
+def _locked(root: pathlib.Path, alone: bool) -> Iterator[None]:
+    """Holds the suite's readers-writer lock: shared for a test that may run
+    beside others, exclusive for one that must run alone. Every test passes a
+    turnstile first, so a waiting `alone` test stops new tests from starting."""
+    with open(root / "alone.turnstile", "a") as turnstile, \
+            open(root / "alone.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def run_alone(tmp_path_factory) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context in which no test of another xdist worker runs: for a fixture
+    that measures memory peaks (the `alone` mark does it for a test)."""
+    if fcntl is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        return contextlib.nullcontext
+    root = tmp_path_factory.getbasetemp().parent  # shared by the workers
+    return lambda: _locked(root, alone=True)
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request, tmp_path_factory):
+    """Tests marked `alone` compare memory peaks, which a test running beside
+    them on the other worker moves (the executor's order follows thread timing
+    even on one inter-op thread: docs/how-it-works.md): they run with no other
+    test beside them, the rest share."""
+    if fcntl is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent
+    with _locked(root, alone=request.node.get_closest_marker("alone") is not None):
+        yield

@@ -31,12 +31,13 @@ def example_launcher():
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory) -> list[dict]:
+def workers(tmp_path_factory, run_alone) -> list[dict]:
     out = tmp_path_factory.mktemp("mwms")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    results = example_launcher()(
-        [sys.executable, "-m", "tests.distribute.mwms_worker", "--out", str(out)],
-        timeout=300, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
+    with run_alone():  # the workers measure their peaks
+        results = example_launcher()(
+            [sys.executable, "-m", "tests.distribute.mwms_worker", "--out", str(out)],
+            timeout=300, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
     for code, log in results:
         assert code == 0, log[-4000:]
     return [json.loads((out / f"{i}.json").read_text()) for i in range(2)]

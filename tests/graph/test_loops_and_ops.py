@@ -200,6 +200,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.alone
 def test_an_lstm_step_is_predicted_with_its_iterations_in_flight():
     """Keras runs 32 iterations of a recurrent loop at once. In the gradient loop,
     the input kernel's partial gradients (128x256 here) wait to be summed: the

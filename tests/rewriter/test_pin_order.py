@@ -130,6 +130,7 @@ print(json.dumps(got))
 """
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("model", ["functional", "subclassed"])
 def test_on_one_inter_op_thread_plans_are_pinned_and_save_memory(model):
     """On one inter-op thread the executor runs kernels in the order Grappler left
