@@ -126,10 +126,10 @@ class Runner:
         import tensorflow as tf
 
         from tfremat.graph import batch_specs, step_function, trace
-        from tfremat.memory import synthetic_batch
+        from tfremat.memory import allocator_copy, synthetic_batch
 
-        if data is not None:  # copied by an op: in TensorFlow's allocator, as a batch is
-            self.x, self.y = (tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(a)) for a in data)
+        if data is not None:
+            self.x, self.y = allocator_copy(tuple(data))
         else:
             x_spec, y_spec = batch_specs(model, batch_size=batch_size)
             if y_spec is None:

@@ -110,15 +110,22 @@ def synthetic_batch(spec: Any, seed: int = 0) -> Any:
     return tf.nest.map_structure(make, spec)
 
 
+def allocator_copy(arrays: Any) -> Any:
+    """A nest of arrays copied by a TensorFlow op, so that the copies live in
+    TensorFlow's allocator and count in its peak, as a real batch does (a
+    tensor converted from a NumPy array may share the array's memory instead).
+    """
+    return tf.nest.map_structure(
+        lambda a: tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(a)), arrays)
+
+
 def _given_batch(sample: Any) -> tuple[Any, Any] | None:
-    """The `(x, y)` arrays of a concrete sample batch, copied by a TensorFlow op
-    so that they live in its allocator as a real batch does; None for a
-    dataset, a missing sample or one without targets."""
+    """The `(x, y)` arrays of a concrete sample batch, `allocator_copy`'d;
+    None for a dataset, a missing sample or one without targets."""
     if sample is None or isinstance(sample, tf.data.Dataset) or not (
             isinstance(sample, tuple) and len(sample) >= 2 and sample[1] is not None):
         return None
-    copy = lambda a: tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(a))  # noqa: E731
-    return tf.nest.map_structure(copy, sample[0]), tf.nest.map_structure(copy, sample[1])
+    return allocator_copy(sample[0]), allocator_copy(sample[1])
 
 
 def _require_built(model: keras.Model) -> None:
