@@ -238,12 +238,32 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
+def plan_at(graph: Any, label: str, budget: int) -> Any:
+    """The plan of row `label` of `PLANNERS` for `budget` bytes."""
+    from tfremat.planners import exact_dp, make_plan
+
+    planner, settings = PLANNERS[label]
+    if planner == "exact-dp":  # make_plan would fall back to approx-dp
+        return exact_dp(graph, budget, **settings)
+    return make_plan(graph, budget, planner, **settings)
+
+
+def plan_at_minimum(graph: Any, label: str) -> Any:
+    """The plan of row `label` at its minimum feasible budget."""
+    from tfremat.core import BudgetError
+
+    try:
+        return plan_at(graph, label, 0)
+    except BudgetError as err:
+        return plan_at(graph, label, err.min_budget_bytes)
+
+
 def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[str, Any]:
     """Plans, rewrites, measures and times one model; returns the JSON record."""
     from tfremat.api import rewrite
     from tfremat.core import BudgetError
     from tfremat.graph import extract
-    from tfremat.planners import DPTimeout, exact_dp, make_plan
+    from tfremat.planners import DPTimeout
     from tfremat.simulation import simulate
 
     model, batch = build_model(name)
@@ -278,21 +298,9 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
               f"{row['measured_mib']:.1f} measured MiB ({plan_s:.2f} s)", flush=True)
         return row
 
-    def plan_at(label: str, budget: int) -> Any:
-        planner, settings = PLANNERS[label]
-        if planner == "exact-dp":  # make_plan would fall back to approx-dp
-            return exact_dp(graph, budget, **settings)
-        return make_plan(graph, budget, planner, **settings)
-
-    def at_minimum(label: str) -> Any:
-        try:
-            return plan_at(label, 0)
-        except BudgetError as err:
-            return plan_at(label, err.min_budget_bytes)
-
     for label in planners:
         try:
-            plan, plan_s = timed(lambda: at_minimum(label))
+            plan, plan_s = timed(lambda: plan_at_minimum(graph, label))
         except DPTimeout as err:
             record["rows"].append({"planner": label, "budget": "min", "error": str(err)})
             continue
@@ -303,7 +311,7 @@ def run_model(name: str, planners: list[str], repeats: int, steps: int) -> dict[
         record["sqrt_budget_mib"] = budget / MIB
         for label in planners:
             try:
-                plan, plan_s = timed(lambda: plan_at(label, budget))
+                plan, plan_s = timed(lambda: plan_at(graph, label, budget))
             except (BudgetError, DPTimeout) as err:
                 record["rows"].append({"planner": label, "budget": "sqrt",
                                        "error": type(err).__name__})
