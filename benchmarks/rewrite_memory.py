@@ -11,6 +11,9 @@ Segments: about sqrt(n) contiguous segments cut where a single tensor is live
   `XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`, XLA's
   scheduler that orders for memory.
 
+Each way runs without and with the optimizer's updates inside the backward pass
+(`Plan.update_in_backward`, on the plain model and on the segments alike).
+
 Every peak is measured in a fresh process (a process that ran other steps
 measures higher): the allocator's peak of one step above the memory live
 before it, the smallest of `--repeats` steps. Under XLA the step's temporaries
@@ -50,9 +53,11 @@ WAYS = {"executor": (False, ""),
 MIB = 2**20
 
 
-def build(name: str, size: int, variant: str) -> tuple[Any, int]:
+def build(name: str, size: int, variant: str, updates: bool) -> tuple[Any, int]:
     """The keras.applications model `name`, rewritten with sqrt(n) segments
-    when `variant` is `"rewritten"`; and the number of those segments."""
+    when `variant` is `"rewritten"`, and for updates in the backward pass with
+    `updates` (then compiled with SGD, which the rewrite updates through); and
+    the number of segments."""
     import keras
 
     from tests.rewriter import rewrite_helpers as h
@@ -62,8 +67,16 @@ def build(name: str, size: int, variant: str) -> tuple[Any, int]:
     model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
                                               classes=10)
     segments = h.sqrt_segments(model)
-    if variant == "rewritten":
-        model = rewrite_model(model, h.plan_for(model, segments))
+    plan = h.plan_for(model, segments if variant == "rewritten" else [])
+    if updates:
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        plan.update_in_backward = True
+    if plan.segments or updates:
+        rewritten = rewrite_model(model, plan)
+        if updates:
+            rewritten.compile(optimizer=model.optimizer, loss="mse")
+        model = rewritten
     return model, len(segments)
 
 
@@ -83,26 +96,28 @@ def xla_temp_bytes(dump: str) -> int | None:
     return max(sizes) if sizes else None
 
 
-def peak_worker(name: str, way: str, variant: str, args: argparse.Namespace) -> None:
+def peak_worker(name: str, way: str, variant: str, updates: str,
+                args: argparse.Namespace) -> None:
     """One variant's step in this (fresh) process: prints its peak and the
     number of segments as JSON."""
     from tests.rewriter import rewrite_helpers as h
 
     x, y = batch(args.size, args.batch)
-    model, segments = build(name, args.size, variant)
+    model, segments = build(name, args.size, variant, updates == "updates")
     step = h.training_step(model, WAYS[way][0])
     print(json.dumps({"peak": h.step_peak_bytes(step, x, y, repeats=args.repeats),
                       "segments": segments}))
 
 
-def time_worker(name: str, way: str, args: argparse.Namespace) -> None:
+def time_worker(name: str, way: str, updates: str, args: argparse.Namespace) -> None:
     """The rewritten step's time over the plain one's, run alternately: JSON."""
     from tests.rewriter import rewrite_helpers as h
 
     x, y = batch(args.size, args.batch)
     runs = {}
     for v in ("plain", "rewritten"):
-        step = h.training_step(build(name, args.size, v)[0], WAYS[way][0])
+        step = h.training_step(build(name, args.size, v, updates == "updates")[0],
+                               WAYS[way][0])
         step(x, y).numpy()  # trace and compile
         runs[v] = lambda step=step: step(x, y).numpy()
     seconds = step_seconds(runs, args.steps)
@@ -131,50 +146,61 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--peak", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--time", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--peak", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--time", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak:
         return peak_worker(*args.peak, args)
     if args.time:
         return time_worker(*args.time, args)
-
-    def mib(value: int | None) -> str:
-        return "" if value is None else f"{value / MIB:.1f}"
-
-    rows = ["| model | way | segments | plain peak MiB (XLA's temp) | rewritten peak MiB "
-            "(XLA's temp) | ratio | saving kept | step-time ratio |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | way | updates in backward | segments | plain peak MiB (XLA's temp) "
+            "| rewritten peak MiB (XLA's temp) | ratio | saving kept | step-time ratio |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):
-        executor_saving = None
-        for way in WAYS:
-            peaks = {v: in_fresh_process(["--peak", name, way, v], way, args)
-                     for v in ("plain", "rewritten")}
-            ratio = in_fresh_process(["--time", name, way], way, args)["ratio"]
-            # XLA's own size where it has one: the allocator's chunk hides the saving.
-            sizes = {v: p["xla_temp"] or p["peak"] for v, p in peaks.items()}
-            saving = sizes["plain"] - sizes["rewritten"]
-            executor_saving = executor_saving or saving
-            rows.append(
-                f"| {name} | {way} | {peaks['rewritten']['segments']} "
-                f"| {mib(peaks['plain']['peak'])} ({mib(peaks['plain']['xla_temp'])}) "
-                f"| {mib(peaks['rewritten']['peak'])} ({mib(peaks['rewritten']['xla_temp'])}) "
-                f"| {sizes['rewritten'] / sizes['plain']:.2f}x "
-                f"| {saving / executor_saving:.0%} | {ratio:.2f}x |".replace(" ()", ""))
-            print(rows[-1], flush=True)
+        for updates in ("no", "updates"):
+            executor_saving = None
+            for way in WAYS:
+                text, saving = row(name, way, updates, args, executor_saving)
+                executor_saving = executor_saving or saving
+                rows.append(text)
+                print(text, flush=True)
     table = "\n".join([
         f"Inputs {args.size}x{args.size}, batch {args.batch}, SGD, CPU (2 cores). Peaks: "
         f"allocator peak above the memory live before the step, smallest of "
         f"{args.repeats} steps, each variant in a fresh process; in brackets, under "
         "XLA, the step's temporary allocation as XLA's buffer assignment sized it, "
         "which the ratio and the saving use. Saving kept: (plain - rewritten) over "
-        f"the executor's. Step time: median of {args.steps} steps run alternately.",
-        "", *rows, ""])
+        "the executor's with the same updates setting. Step time: median of "
+        f"{args.steps} steps run alternately.", "", *rows, ""])
     print(table)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "rewrite_memory.md"), "w") as f:
         f.write("# Rewrite: peak memory and step time, with and without XLA\n\n"
                 f"Command: `python benchmarks/rewrite_memory.py`\n\n{table}")
+
+
+def row(name: str, way: str, updates: str, args: argparse.Namespace,
+        executor_saving: int | None) -> tuple[str, int]:
+    """Measures the plain and rewritten step of one way: the table row, and the
+    saving in bytes (the executor's is the first, `executor_saving` None)."""
+
+    def mib(value: int | None) -> str:
+        return "" if value is None else f"{value / MIB:.1f}"
+
+    peaks = {v: in_fresh_process(["--peak", name, way, v, updates], way, args)
+             for v in ("plain", "rewritten")}
+    ratio = in_fresh_process(["--time", name, way, updates], way, args)["ratio"]
+    # XLA's own size where it has one: the allocator's chunk hides the saving.
+    sizes = {v: p["xla_temp"] or p["peak"] for v, p in peaks.items()}
+    saving = sizes["plain"] - sizes["rewritten"]
+    text = (f"| {name} | {way} | {'yes' if updates == 'updates' else 'no'} "
+            f"| {peaks['rewritten']['segments']} "
+            f"| {mib(peaks['plain']['peak'])} ({mib(peaks['plain']['xla_temp'])}) "
+            f"| {mib(peaks['rewritten']['peak'])} ({mib(peaks['rewritten']['xla_temp'])}) "
+            f"| {sizes['rewritten'] / sizes['plain']:.2f}x "
+            f"| {saving / (executor_saving or saving):.0%} | {ratio:.2f}x |"
+            .replace(" ()", ""))
+    return text, saving
 
 
 if __name__ == "__main__":

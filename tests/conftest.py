@@ -63,14 +63,20 @@ def _locked(root: pathlib.Path, alone: bool) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _lock_root(tmp_path_factory) -> pathlib.Path | None:
+    """Where the xdist workers' lock files live (their shared temporary
+    directory); None when the tests run in one process or without `fcntl`."""
+    if fcntl is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        return None
+    return tmp_path_factory.getbasetemp().parent
+
+
 @pytest.fixture(scope="session")
 def run_alone(tmp_path_factory) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """A context in which no test of another xdist worker runs: for a fixture
     that measures memory peaks (the `alone` mark does it for a test)."""
-    if fcntl is None or "PYTEST_XDIST_WORKER" not in os.environ:
-        return contextlib.nullcontext
-    root = tmp_path_factory.getbasetemp().parent  # shared by the workers
-    return lambda: _locked(root, alone=True)
+    root = _lock_root(tmp_path_factory)
+    return contextlib.nullcontext if root is None else lambda: _locked(root, alone=True)
 
 
 @pytest.fixture(autouse=True)
@@ -79,9 +85,9 @@ def _alone_when_marked(request, tmp_path_factory):
     them on the other worker moves (the executor's order follows thread timing
     even on one inter-op thread: docs/how-it-works.md): they run with no other
     test beside them, the rest share."""
-    if fcntl is None or "PYTEST_XDIST_WORKER" not in os.environ:
+    root = _lock_root(tmp_path_factory)
+    if root is None:
         yield
         return
-    root = tmp_path_factory.getbasetemp().parent
     with _locked(root, alone=request.node.get_closest_marker("alone") is not None):
         yield

@@ -232,8 +232,10 @@ def batch_for(model: keras.Model, batch: int = 2, seed: int = 0):
 
 
 def training_step(model: keras.Model, jit_compile: bool):
-    """A compiled SGD training step `(x, y) -> loss` of `model`."""
-    optimizer = keras.optimizers.SGD(0.01)
+    """A compiled SGD training step `(x, y) -> loss` of `model`, with the
+    model's own optimizer when it was compiled with one (a model rewritten
+    for updates in the backward pass updates through it)."""
+    optimizer = getattr(model, "optimizer", None) or keras.optimizers.SGD(0.01)
     optimizer.build(model.trainable_variables)
 
     def step(x, y):
