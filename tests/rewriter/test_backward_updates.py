@@ -139,7 +139,7 @@ def test_updates_in_backward_train_as_plain(model_name, optimizer, segmented):
 
 @pytest.mark.parametrize("model_name, optimizer", [("cnn", "adam"),
                                                    ("transformer", "adamw")])
-def test_under_xla_updates_in_backward_train_bit_identically(model_name, optimizer):
+def test_under_xla_updates_in_backward_train_as_plain_xla(model_name, optimizer):
     """XLA (`jit_compile=True`, Keras's default with a GPU) compiles the step
     with updates inside the backward pass as one program of its own: the CNN
     trained to the same bits as plain XLA training, the Transformer within
