@@ -9,7 +9,8 @@ only reasoned"), so memory measurements are unaffected.
 import contextlib
 import os
 import pathlib
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -63,31 +64,17 @@ def _locked(root: pathlib.Path, alone: bool) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _lock_root(tmp_path_factory) -> pathlib.Path | None:
-    """Where the xdist workers' lock files live (their shared temporary
-    directory); None when the tests run in one process or without `fcntl`."""
-    if fcntl is None or "PYTEST_XDIST_WORKER" not in os.environ:
-        return None
-    return tmp_path_factory.getbasetemp().parent
-
-
-@pytest.fixture(scope="session")
-def run_alone(tmp_path_factory) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """A context in which no test of another xdist worker runs: for a fixture
-    that measures memory peaks (the `alone` mark does it for a test)."""
-    root = _lock_root(tmp_path_factory)
-    return contextlib.nullcontext if root is None else lambda: _locked(root, alone=True)
-
-
-@pytest.fixture(autouse=True)
-def _alone_when_marked(request, tmp_path_factory):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """Tests marked `alone` compare memory peaks, which a test running beside
-    them on the other worker moves (the executor's order follows thread timing
-    even on one inter-op thread: docs/how-it-works.md): they run with no other
-    test beside them, the rest share."""
-    root = _lock_root(tmp_path_factory)
-    if root is None:
-        yield
-        return
-    with _locked(root, alone=request.node.get_closest_marker("alone") is not None):
-        yield
+    them on the other xdist worker moves (the executor's order follows thread
+    timing even on one inter-op thread: docs/how-it-works.md): each runs, its
+    fixtures' setup and teardown included, with nothing of another worker
+    beside it; the rest share. No lock in one process or without `fcntl`."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if fcntl is None or run is None:
+        return (yield)
+    root = pathlib.Path(tempfile.gettempdir()) / f"tfremat-tests-{run}"
+    root.mkdir(exist_ok=True)
+    with _locked(root, alone=item.get_closest_marker("alone") is not None):
+        return (yield)

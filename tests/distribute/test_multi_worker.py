@@ -19,6 +19,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
+# The workers measure their peaks (in the module's fixture, set up by the first test).
+pytestmark = pytest.mark.alone
 
 
 def example_launcher():
@@ -31,13 +33,12 @@ def example_launcher():
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory, run_alone) -> list[dict]:
+def workers(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("mwms")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    with run_alone():  # the workers measure their peaks
-        results = example_launcher()(
-            [sys.executable, "-m", "tests.distribute.mwms_worker", "--out", str(out)],
-            timeout=300, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
+    results = example_launcher()(
+        [sys.executable, "-m", "tests.distribute.mwms_worker", "--out", str(out)],
+        timeout=300, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
     for code, log in results:
         assert code == 0, log[-4000:]
     return [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
