@@ -96,27 +96,27 @@ def xla_temp_bytes(dump: str) -> int | None:
     return max(sizes) if sizes else None
 
 
-def peak_worker(name: str, way: str, variant: str, updates: str,
+def peak_worker(name: str, way: str, variant: str, updates: bool,
                 args: argparse.Namespace) -> None:
     """One variant's step in this (fresh) process: prints its peak and the
     number of segments as JSON."""
     from tests.rewriter import rewrite_helpers as h
 
     x, y = batch(args.size, args.batch)
-    model, segments = build(name, args.size, variant, updates == "updates")
+    model, segments = build(name, args.size, variant, updates)
     step = h.training_step(model, WAYS[way][0])
     print(json.dumps({"peak": h.step_peak_bytes(step, x, y, repeats=args.repeats),
                       "segments": segments}))
 
 
-def time_worker(name: str, way: str, updates: str, args: argparse.Namespace) -> None:
+def time_worker(name: str, way: str, updates: bool, args: argparse.Namespace) -> None:
     """The rewritten step's time over the plain one's, run alternately: JSON."""
     from tests.rewriter import rewrite_helpers as h
 
     x, y = batch(args.size, args.batch)
     runs = {}
     for v in ("plain", "rewritten"):
-        step = h.training_step(build(name, args.size, v, updates == "updates")[0],
+        step = h.training_step(build(name, args.size, v, updates)[0],
                                WAYS[way][0])
         step(x, y).numpy()  # trace and compile
         runs[v] = lambda step=step: step(x, y).numpy()
@@ -150,14 +150,16 @@ def main() -> None:
     parser.add_argument("--time", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak:
-        return peak_worker(*args.peak, args)
+        *where, updates = args.peak
+        return peak_worker(*where, updates == "yes", args)
     if args.time:
-        return time_worker(*args.time, args)
+        *where, updates = args.time
+        return time_worker(*where, updates == "yes", args)
     rows = ["| model | way | updates in backward | segments | plain peak MiB (XLA's temp) "
             "| rewritten peak MiB (XLA's temp) | ratio | saving kept | step-time ratio |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):
-        for updates in ("no", "updates"):
+        for updates in (False, True):
             executor_saving = None
             for way in WAYS:
                 text, saving = row(name, way, updates, args, executor_saving)
@@ -179,7 +181,7 @@ def main() -> None:
                 f"Command: `python benchmarks/rewrite_memory.py`\n\n{table}")
 
 
-def row(name: str, way: str, updates: str, args: argparse.Namespace,
+def row(name: str, way: str, updates: bool, args: argparse.Namespace,
         executor_saving: int | None) -> tuple[str, int]:
     """Measures the plain and rewritten step of one way: the table row, and the
     saving in bytes (the executor's is the first, `executor_saving` None)."""
@@ -187,13 +189,14 @@ def row(name: str, way: str, updates: str, args: argparse.Namespace,
     def mib(value: int | None) -> str:
         return "" if value is None else f"{value / MIB:.1f}"
 
-    peaks = {v: in_fresh_process(["--peak", name, way, v, updates], way, args)
+    switch = "yes" if updates else "no"  # the workers' command line
+    peaks = {v: in_fresh_process(["--peak", name, way, v, switch], way, args)
              for v in ("plain", "rewritten")}
-    ratio = in_fresh_process(["--time", name, way, updates], way, args)["ratio"]
+    ratio = in_fresh_process(["--time", name, way, switch], way, args)["ratio"]
     # XLA's own size where it has one: the allocator's chunk hides the saving.
     sizes = {v: p["xla_temp"] or p["peak"] for v, p in peaks.items()}
     saving = sizes["plain"] - sizes["rewritten"]
-    text = (f"| {name} | {way} | {'yes' if updates == 'updates' else 'no'} "
+    text = (f"| {name} | {way} | {switch} "
             f"| {peaks['rewritten']['segments']} "
             f"| {mib(peaks['plain']['peak'])} ({mib(peaks['plain']['xla_temp'])}) "
             f"| {mib(peaks['rewritten']['peak'])} ({mib(peaks['rewritten']['xla_temp'])}) "

@@ -9,6 +9,7 @@ only reasoned"), so memory measurements are unaffected.
 import contextlib
 import os
 import pathlib
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -71,10 +72,24 @@ def pytest_runtest_protocol(item, nextitem):
     timing even on one inter-op thread: docs/how-it-works.md): each runs, its
     fixtures' setup and teardown included, with nothing of another worker
     beside it; the rest share. No lock in one process or without `fcntl`."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if fcntl is None or run is None:
+    root = _lock_directory()
+    if fcntl is None or root is None:
         return (yield)
-    root = pathlib.Path(tempfile.gettempdir()) / f"tfremat-tests-{run}"
     root.mkdir(exist_ok=True)
     with _locked(root, alone=item.get_closest_marker("alone") is not None):
         return (yield)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Each worker removes the lock's directory when it is done: a worker still
+    running makes it again for its next test, with no other worker left to
+    wait for."""
+    root = _lock_directory()
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _lock_directory() -> pathlib.Path | None:
+    """Where this xdist run keeps the lock's files; None outside xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return None if run is None else pathlib.Path(tempfile.gettempdir()) / f"tfremat-tests-{run}"
