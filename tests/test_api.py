@@ -69,6 +69,21 @@ def test_the_old_strategy_keyword_still_works_with_a_deprecation_warning():
     assert planner.objective == "memory"
 
 
+def test_rewrite_plans_by_prediction_or_by_measurement():
+    """`rewrite(..., budget_mb=...)` plans by the prediction, unless asked to
+    measure: then a budget out of reach is refused with a measured minimum, and
+    the model is left as it was."""
+    model = tiny()
+    weights = [w.numpy().copy() for w in model.weights]
+    with pytest.raises(tfremat.BudgetError) as predicted:
+        tfremat.rewrite(model, budget_mb=0.001, batch_size=4)
+    assert not predicted.value.measured
+    with pytest.raises(tfremat.BudgetError, match="measured on the device") as measured:
+        tfremat.rewrite(model, budget_mb=0.001, batch_size=4, measure=True)
+    assert measured.value.measured
+    assert all((w.numpy() == before).all() for w, before in zip(model.weights, weights))
+
+
 def test_rewrite_refuses_what_is_not_a_plan():
     with pytest.raises(TypeError, match="takes a tfremat.Plan, not dict"):
         tfremat.rewrite(tiny(), {"segments": []})

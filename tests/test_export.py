@@ -1,5 +1,7 @@
 """Plan pictures and summaries."""
 
+import dataclasses
+
 import pytest
 
 from tests.marks import needs_graphviz
@@ -7,6 +9,7 @@ from tests.planners import graphs as G
 from tests.simulation.test_simulator import chain, fig2_graph
 from tfremat import Plan, Segment
 from tfremat import export
+from tfremat.simulation import simulate
 
 
 def plan_for_chain():
@@ -74,6 +77,18 @@ def test_a_segment_does_not_keep_what_its_calls_keep_inside():
     assert "segment 0      1 layers      3.0 MiB  block_1 .. block_1" in export.summary(
         g, plan)
     assert "1 layers, 3.0 MiB not kept" in export.to_pydot(g, plan).to_string()
+
+
+def test_summary_says_whether_and_what_was_measured():
+    """A plan returned by `plan(..., measure=True)` shows its measured peak; one
+    that was only predicted says so."""
+    g, plan = plan_for_chain()
+    assert "Measured peak:   not measured" in export.summary(g, plan)
+    trials = [{"predicted_bytes": 2**20, "measured_bytes": 3 * 2**20}] * 2
+    plan.estimates = dataclasses.replace(simulate(g, plan).plan_estimate(), details={
+        "measured_peak_bytes": 3 * 2**20, "trials": trials})
+    assert "Measured peak:   3.0 MiB on the device (chosen after 2 measurements)" in export.summary(
+        g, plan)
 
 
 def test_summary_of_an_empty_plan_says_nothing_to_do():

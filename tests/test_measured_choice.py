@@ -133,7 +133,7 @@ def test_a_budget_the_measurement_cannot_meet_states_a_minimum_that_is_met(fake_
     except BudgetError as e:
         floor = e.min_budget_bytes
     budget = int(floor * 1.1)  # the prediction fits, the measurement (x1.3) not
-    with pytest.raises(BudgetError, match="Measured .* plan") as caught:
+    with pytest.raises(BudgetError, match="measured on the device") as caught:
         choose(graph, budget)
     minimum = caught.value.min_budget_bytes
     assert minimum > budget
@@ -169,6 +169,11 @@ def test_the_minimum_stated_rests_on_the_lowest_plan_measured_twice(monkeypatch)
     assert caught.value.min_budget_bytes == math.ceil(
         worst[id(lowest)] * (1 + api.MEASURED_SPREAD))
     assert caught.value.measured_plan is lowest
+    assert caught.value.measured and "measured on the device" in str(caught.value)
+    # One line per measurement, each saying what was predicted and measured.
+    lines = str(caught.value).split("measurement(s):\n", 1)[1].splitlines()
+    assert len(lines) == len(FakeInstallation.measured)
+    assert all(" MiB -> measured " in line for line in lines)
 
 
 def predicted_floor_bytes(graph) -> int:
@@ -213,6 +218,7 @@ def test_a_refused_budget_states_a_measured_minimum_that_is_met(fake_measure):
     minimum = caught.value.min_budget_bytes
     assert minimum == math.ceil(int(floor * 1.3) * (1 + api.MEASURED_SPREAD))
     assert caught.value.measured_plan is None  # the Planner raises it, trains nothing
+    assert caught.value.measured and "measured on the device" in str(caught.value)
     fake_measure.measured = []
     chosen = choose(graph, minimum)
     assert int(chosen.peak_bytes * 1.3) <= minimum

@@ -391,10 +391,10 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan
     if not fitting:
         error = BudgetError(
             budget, math.ceil(measured * (1 + MEASURED_SPREAD)), planner,
-            f"Measured {len(trials)} plan(s) on the device: "
-            + ", ".join(trial_text(r, "-> measured") for r in record)
-            + f". The stated minimum is the plan that measured lowest, measured "
-              f"twice (the higher), plus {MEASURED_SPREAD:.0%}.")
+            f"The minimum is the plan that measured lowest, measured twice (the "
+            f"higher), plus {MEASURED_SPREAD:.0%}. {len(trials)} measurement(s):\n"
+            + "\n".join("  " + trial_text(r, "-> measured") for r in record),
+            measured=True)
         error.measured_plan = chosen
         raise error
     return chosen
@@ -501,8 +501,8 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
         raise BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,
             f"{error.detail} The plan of lowest predicted peak "
-            f"({error.min_budget_bytes / MIB:.1f} MiB) and plans near it were measured: "
-            f"{measured.detail}"
+            f"({error.min_budget_bytes / MIB:.1f} MiB) and plans near it were measured. "
+            f"{measured.detail}", measured=True
         ) from None
 
 
@@ -604,11 +604,15 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             compute_device: str | None = None, host_device: str | None = None,
             strategy: str | None = None,
             update_in_backward: bool | str = "auto",
-            pin_order: bool | str = "auto") -> keras.Model:
+            pin_order: bool | str = "auto", measure: bool = False,
+            max_trials: int = 3) -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 
     Either pass a `Plan`, or a `budget_mb` (with `batch_size` or `sample`) to plan
     first. The original model is never modified, also when rewriting fails.
+    A plan made here fits the budget as the simulator predicts it unless
+    `measure=True`, which measures plans on the device first and returns one
+    that measured within the budget (see `tfremat.plan`).
 
     Args:
         model: A built Keras model.
@@ -625,14 +629,21 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         update_in_backward: For planning (see `tfremat.plan`). The rewritten
             model then updates with the optimizer it is compiled with.
         pin_order: For planning (see `tfremat.plan`).
+        measure: For planning: measure candidate plans on the device and
+            return one that measured within the budget (see `tfremat.plan`).
+        max_trials: For planning with `measure` (see `tfremat.plan`).
 
     Returns:
         The rewritten model, or `model` itself when the plan is empty (the
         step already fits; logged).
 
+    Raises:
+        BudgetError: planning found no plan within the budget (with
+            `measure`, none that measured within it).
+
     Example:
 
-    >>> smaller = tfremat.rewrite(model, budget_mb=6000, batch_size=64)
+    >>> smaller = tfremat.rewrite(model, budget_mb=6000, batch_size=64, measure=True)
     >>> smaller.compile(optimizer="adam", loss="mse"); smaller.fit(x, y)
     """
     objective = deprecated_strategy(strategy, objective)
@@ -640,8 +651,9 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         if budget_mb is None:
             raise ValueError("Pass a Plan, or budget_mb=... to plan first.")
         plan_or_none = plan(model, budget_mb, batch_size=batch_size, sample=sample,
-                            planner=planner, objective=objective,
-                            update_in_backward=update_in_backward, pin_order=pin_order)
+                            planner=planner, objective=objective, measure=measure,
+                            max_trials=max_trials, update_in_backward=update_in_backward,
+                            pin_order=pin_order)
     elif not isinstance(plan_or_none, Plan):
         raise TypeError(f"rewrite takes a tfremat.Plan, not {type(plan_or_none).__name__}.")
     if plan_or_none.is_empty:

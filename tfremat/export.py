@@ -233,6 +233,7 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
     lines += [
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
+        f"Measured peak:   {_measured_line(plan)}",
         f"Extra compute:   +{est.overhead:.1%} of a step",
         f"Segments:        {len(plan.segments)}; offloaded tensors: {len(plan.offloaded)}",
         f"Updates:         {_updates_line(plan)}",
@@ -249,6 +250,16 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"offload     {off.tensor}  (prefetch after {off.prefetch_after})")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _measured_line(plan: Plan) -> str:
+    """What was measured of the plan before it was returned, if anything."""
+    details = plan.estimates.details if plan.estimates else {}
+    if "measured_peak_bytes" not in details:
+        return "not measured (tfremat.plan(..., measure=True) measures on the device)"
+    tried = len(details.get("trials", []))
+    return (f"{_mib(details['measured_peak_bytes'])} on the device"
+            + (f" (chosen after {tried} measurements)" if tried > 1 else ""))
 
 
 def _updates_line(plan: Plan) -> str:

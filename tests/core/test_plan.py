@@ -82,6 +82,20 @@ def test_budget_error_carries_exact_bytes_and_pickles():
     assert "12345678 bytes" in str(err) and "Tried: a; b." in str(err)
     again = pickle.loads(pickle.dumps(err))
     assert str(again) == str(err) and again.min_budget_bytes == err.min_budget_bytes
+    measured = pickle.loads(pickle.dumps(BudgetError(2**20, 2**21, "auto", measured=True)))
+    assert measured.measured and str(measured) == str(BudgetError(2**20, 2**21, "auto",
+                                                                  measured=True))
+
+
+def test_a_budget_error_says_whether_its_minimum_was_predicted_or_measured():
+    """A user recovering from a BudgetError must know whether its minimum is a
+    prediction (which the device may not meet) or a measurement."""
+    predicted = BudgetError(2**20, 2**21, "auto")
+    assert not predicted.measured
+    assert "as the simulator predicts it, not measured" in str(predicted)
+    assert "measure=True" in str(predicted)
+    measured = BudgetError(2**20, 2**21, "auto", measured=True)
+    assert "measured on the device" in str(measured) and "predicts" not in str(measured)
 
 
 @pytest.mark.parametrize("segments, message", [

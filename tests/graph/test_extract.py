@@ -134,6 +134,21 @@ def test_sample_batch_and_dataset_give_the_same_graph():
     assert from_sample.to_dict()["nodes"] == from_dataset.to_dict()["nodes"]
 
 
+def test_a_dataset_of_unknown_batch_size_gives_its_first_batch_size():
+    """`.batch(n)` without `drop_remainder` leaves the batch dimension unknown in
+    the element spec: the first batch says it, as a user would expect."""
+    model = residual_cnn()
+    x = np.zeros((10, 32, 32, 3), "float32")
+    y = np.zeros((10, 10), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    assert ds.element_spec[0].shape[0] is None
+    graph = tfremat.extract(model, sample=ds)
+    assert graph.to_dict()["nodes"] == tfremat.extract(model, batch_size=4).to_dict()["nodes"]
+    assert graph.persistent_bytes["batch"] == 4 * 32 * 32 * 3 * 4 + 4 * 10 * 4
+    with pytest.raises(ValueError, match="no batch to learn the batch size from"):
+        tfremat.extract(model, sample=ds.take(0))
+
+
 def test_sparse_labels_are_inferred_for_a_sparse_loss():
     model = residual_cnn()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")

@@ -371,7 +371,7 @@ class Planner(keras.callbacks.Callback):
                 raise
             # The prediction fits but no plan measured within the budget: train
             # with the lowest, and say so (re-planning may still go lower).
-            warnings.warn(f"tfremat: {e} This fit trains with the plan that measured "
+            warnings.warn(f"tfremat: {e}\nThis fit trains with the plan that measured "
                           "lowest.", RuntimeWarning, stacklevel=2)
             return e.measured_plan
 
@@ -412,12 +412,13 @@ class Planner(keras.callbacks.Callback):
             else:
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
-            trials = plan.estimates.details.get("trials") if plan.estimates else None
-            if trials:
+            details = plan.estimates.details if plan.estimates else {}
+            if details.get("trials"):
                 io_utils.print_msg(
                     "tfremat: measured before training: "
-                    + "; ".join(api.trial_text(t) for t in trials)
-                    + f" (budget {self.budget_mb:.1f} MiB).")
+                    + "; ".join(api.trial_text(t) for t in details["trials"])
+                    + f" (budget {self.budget_mb:.1f} MiB); training with the plan "
+                      f"measured at {details['measured_peak_bytes'] / MIB:.1f} MiB.")
         if self.export:
             try:
                 self.picture = write_picture(plan, self.export, graph=self.graph)

@@ -105,12 +105,16 @@ class BudgetError(TfrematError, ValueError):
             the lowest peak the simulator predicts for any plan it tried.
         planner: The planner that was asked.
         detail: More text for the message (what was tried, what to do).
+        measured: Whether the minimum was measured on the device
+            (`tfremat.plan(..., measure=True)`, the `Planner`) rather than
+            predicted by the simulator; the message says which.
 
     Attributes:
         budget_bytes: As given.
         min_budget_bytes: As given.
         planner: As given.
         detail: As given.
+        measured: As given.
         budget_mb: `budget_bytes` in MiB (0 when None).
         min_budget_mb: `min_budget_bytes` in MiB.
         measured_plan: Set by `tfremat.plan(..., measure=True)` when no plan it
@@ -122,23 +126,28 @@ class BudgetError(TfrematError, ValueError):
 
     ```python
     try:
-        plan = tfremat.plan(model, budget_mb=100, batch_size=32)
+        plan = tfremat.plan(model, budget_mb=100, batch_size=32, measure=True)
     except tfremat.BudgetError as e:
-        plan = tfremat.plan(model, budget_mb=e.min_budget_mb, batch_size=32)
+        plan = tfremat.plan(model, budget_mb=e.min_budget_mb, batch_size=32,
+                            measure=True)
     ```
     """
 
     def __init__(self, budget_bytes: int | None, min_budget_bytes: int, planner: str,
-                 detail: str = "") -> None:
+                 detail: str = "", measured: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = int(min_budget_bytes)
         self.planner = planner
         self.detail = detail
+        self.measured = measured
         self.measured_plan: Any = None
+        how = ("measured on the device" if measured else
+               "as the simulator predicts it, not measured: tfremat.plan(..., "
+               "measure=True) measures plans on the device")
         message = (
             f"A budget of {self.budget_mb:.1f} MiB cannot be met by planner {planner!r}: "
             f"the smallest feasible budget is {self.min_budget_mb:.1f} MiB "
-            f"({self.min_budget_bytes} bytes)."
+            f"({self.min_budget_bytes} bytes), {how}."
         )
         if detail:
             message += " " + detail
@@ -154,4 +163,4 @@ class BudgetError(TfrematError, ValueError):
 
     def __reduce__(self) -> tuple:  # picklable with its arguments (subprocesses)
         return (type(self), (self.budget_bytes, self.min_budget_bytes, self.planner,
-                             self.detail))
+                             self.detail, self.measured))

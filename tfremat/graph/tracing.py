@@ -64,8 +64,9 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
 
     Args:
         model: The Keras model.
-        batch_size: Batch size, when shapes come from `model.inputs` or a dataset
-            whose batch dimension is unknown.
+        batch_size: Batch size, when shapes come from `model.inputs`; for a
+            dataset whose batch dimension is unknown (`.batch(n)` without
+            `drop_remainder`), the size of its first batch when None.
         sample: A batch `(x, y)` (arrays or tensors, nested structures allowed),
             an `x` alone, or a `tf.data.Dataset` of batches.
 
@@ -75,7 +76,8 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
 
     Raises:
         TypeError: `batch_size` is not an integer.
-        ValueError: `batch_size` is not positive, or the batch shape is unknown.
+        ValueError: `batch_size` is not positive, or the batch shape is unknown
+            (an empty dataset).
     """
     if batch_size is not None and (isinstance(batch_size, bool)
                                    or not isinstance(batch_size, numbers.Integral)):
@@ -87,6 +89,8 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
         spec = sample.element_spec
         x_spec, y_spec = (spec[0], spec[1]) if isinstance(spec, tuple) and len(spec) >= 2 \
             else (spec, None)
+        if batch_size is None and _unknown_batch(spec):
+            batch_size = _first_batch_size(sample)
         return (_fix_batch(x_spec, batch_size, "the dataset's element_spec"),
                 _fix_batch(y_spec, batch_size, "the dataset's element_spec"))
     if sample is not None:
@@ -109,6 +113,24 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
                 f"Input {t.name!r} has shape {t.shape}: tfremat needs static shapes. "
                 "Pass sample=(x, y) with a real batch.")
     return (x_spec[0] if len(x_spec) == 1 else x_spec), None
+
+
+def _unknown_batch(spec: Any) -> bool:
+    """Whether a tensor of a dataset's element spec has an unknown batch dimension."""
+    return any(s.shape.rank and s.shape[0] is None for s in tf.nest.flatten(spec)
+               if isinstance(s, tf.TensorSpec))
+
+
+def _first_batch_size(dataset: tf.data.Dataset) -> int:
+    """The batch dimension of a dataset's first element (a new iterator reads
+    it: the caller's iteration is not advanced)."""
+    for element in dataset.take(1):
+        sizes = [int(t.shape[0]) for t in tf.nest.flatten(element)
+                 if isinstance(t, tf.Tensor) and t.shape.rank]
+        if sizes:
+            return max(sizes)
+    raise ValueError("The dataset gave no batch to learn the batch size from: pass "
+                     "batch_size=...")
 
 
 def _fix_batch(spec: Any, batch_size: int | None, where: str) -> Any:
