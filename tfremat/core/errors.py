@@ -102,7 +102,8 @@ class BudgetError(TfrematError, ValueError):
     Args:
         budget_bytes: The budget asked for, in bytes (None: no budget given).
         min_budget_bytes: The smallest budget the planner can meet, in bytes:
-            the lowest peak the simulator predicts for any plan it tried.
+            the lowest peak the simulator predicts for any plan it tried, or
+            with `measured` the measured one (see `tfremat.plan`).
         planner: The planner that was asked.
         detail: More text for the message (what was tried, what to do).
         measured: Whether the minimum was measured on the device
