@@ -149,6 +149,41 @@ def test_a_second_fit_with_a_new_planner_after_an_interrupted_one(budget_mb):
     assert not planner.plan.is_empty and len(hist.history["peak_memory_mb"]) == 2
 
 
+def test_the_same_planner_again_after_an_interrupted_fit(budget_mb, tmp_path):
+    """A notebook's sequence: Ctrl-C between steps, the same cell again (the same
+    Planner), then training without it. The second fit must not take the
+    Planner's own step for the model's (that recursed forever)."""
+    x, y = data()
+    model = make_model()
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False,
+                  callbacks=[planner, RaiseAt(1, KeyboardInterrupt())])
+    hist = model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[planner])
+    assert not planner.plan.is_empty and len(hist.history["peak_memory_mb"]) == 1
+    assert_behaves_like_a_model_that_never_saw_the_callback(model, tmp_path)
+
+
+def test_validation_does_not_count_in_the_epochs_peak(budget_mb):
+    """fit's validation runs after the epoch's steps, on batches of its own size
+    and with the plain model: the peak logged is the training steps'."""
+    x, y = data()
+    rng = np.random.default_rng(1)
+    xv = rng.standard_normal((512, 16, 16, 3)).astype("float32")
+    yv = rng.standard_normal((512, 4)).astype("float32")
+    model = make_model()
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
+    hist = model.fit(x, y, batch_size=BATCH, verbose=0, validation_data=(xv, yv),
+                     validation_batch_size=512, callbacks=[planner])
+    assert "val_loss" in hist.history
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.evaluate(xv, yv, batch_size=512, verbose=0)
+    validation_mb = tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20
+    assert hist.history["peak_memory_mb"] == planner.epoch_peaks_mb
+    assert planner.epoch_peaks_mb[0] < 0.5 * validation_mb, (planner.epoch_peaks_mb,
+                                                             validation_mb)
+
+
 def test_two_planners_in_one_fit_are_refused(budget_mb):
     x, y = data(1)
     model = make_model()

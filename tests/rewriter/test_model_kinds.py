@@ -108,3 +108,28 @@ def test_multi_input_multi_output_segment():
     layer = next(layer for layer in rewritten.layers if isinstance(layer, RecomputeSegment))
     assert len(layer.submodel.inputs) == 2 and len(layer.submodel.outputs) >= 2
     h.assert_same_step(model, rewritten, h.batch_for(model))
+
+
+def test_a_plan_made_by_tracing_fits_a_model_whose_second_input_is_read_late():
+    """Image and metadata inputs, the metadata read only at the head: the traced
+    graph lists both inputs first, and the rewriter's graph of the model must
+    too (its fingerprint follows the order), or every plan is refused."""
+    import tfremat
+
+    keras.utils.set_random_seed(18)
+    image = keras.Input((16, 16, 3), name="image")
+    meta = keras.Input((4,), name="meta")
+    x = image
+    for filters in (8, 8, 8):
+        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+    x = keras.layers.Concatenate()([keras.layers.GlobalAveragePooling2D()(x),
+                                    keras.layers.Dense(4, activation="relu")(meta)])
+    model = keras.Model({"image": image, "meta": meta}, keras.layers.Dense(3)(x))
+    model.compile("sgd", "mse")
+    graph = tfremat.extract(model, batch_size=2)
+    convs = [n.id for n in graph if n.class_name == "Conv2D"]
+    rewritten = rewrite_model(model, tfremat.Plan.from_segments(graph, [convs[:2]]))
+    assert any(isinstance(layer, RecomputeSegment) for layer in rewritten.layers)
+    batch = {"image": np.random.default_rng(0).standard_normal((2, 16, 16, 3), "float32"),
+             "meta": np.random.default_rng(1).standard_normal((2, 4), "float32")}
+    h.assert_same_step(model, rewritten, batch)

@@ -35,9 +35,11 @@ class Planner(keras.callbacks.Callback):
     when a step raises or you press Ctrl-C (predict, evaluate, save and a plain
     `fit` then behave as if it never saw the callback).
 
-    At each epoch end it adds `peak_memory_mb` (measured device peak of the epoch,
-    `GPU:0` when a GPU exists, else `CPU:0`) and `predicted_peak_mb` to `logs`, so
-    History, CSVLogger and TensorBoard record them. If the measured peak of the
+    At each epoch end it adds `peak_memory_mb` (measured device peak of the
+    epoch's training steps, validation left out, `GPU:0` when a GPU exists, else
+    `CPU:0`) and `predicted_peak_mb` to `logs`, so History records them, and so
+    do CSVLogger and TensorBoard when the Planner comes before them in
+    `callbacks`. If the measured peak of the
     first steps exceeds the budget, it plans again with the measured excess taken
     off the budget, measures that plan (and lower ones) the same way before it
     trains with it (at most `max_replans` times), and warns if the budget still
@@ -179,6 +181,7 @@ class Planner(keras.callbacks.Callback):
         self._warming_up = False  # the step just run is the first of a new plan
         self._epoch = 0
         self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
+        self._validated = False  # fit's validation ran this epoch
         self._sample: Any = None  # one device's share of the first batch, for measuring
         self._summary_writer: Any = None  # a TensorBoard callback's train run
 
@@ -186,10 +189,12 @@ class Planner(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         other = getattr(self.model.train_function, "__self__", None)
-        if isinstance(other, Planner) and other is not self:
-            if other._fit is self.model.history:
+        if isinstance(other, Planner):
+            if other is not self and other._fit is self.model.history:
                 raise ValueError("Two tfremat.Planner callbacks in one fit: pass one.")
-            other._restore()  # left over from an interrupted fit
+            # Left over from a fit interrupted between steps (a callback raised
+            # or Ctrl-C came outside the step), this callback's own included.
+            other._restore()
         self._reset()
         self._stats = memory_stats_available(self.device)
         if not self._stats:
@@ -250,15 +255,23 @@ class Planner(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         self._epoch_peak_mb = 0.0
+        self._validated = False
         if self.plan is not None and self._stats:
             tf.config.experimental.reset_memory_stats(self.device)
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        # fit's validation, with these callbacks, after the epoch's steps: its
+        # batches (of their own size, with the plain model) are not the plan's.
+        self._validated = self._installation is not None
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.plan is None:
             return
         if self._stats:
-            # A re-plan resets the statistics mid-epoch: the steps before it count too.
-            self.epoch_peaks_mb.append(max(self._epoch_peak_mb, self._peak_mb()))
+            # A re-plan resets the statistics mid-epoch: the steps before it count
+            # too. After validation, the steps' peaks read after each are all.
+            self.epoch_peaks_mb.append(self._epoch_peak_mb if self._validated else
+                                       max(self._epoch_peak_mb, self._peak_mb()))
         if self.log_memory and logs is not None:
             if self._stats:
                 logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
@@ -298,7 +311,8 @@ class Planner(keras.callbacks.Callback):
             # Called by a fit this callback is not part of: an earlier fit with
             # it was interrupted between steps. Give the model back and go on.
             self._restore()
-            self.model.make_train_function()
+            self.model.make_train_function(force=isinstance(
+                getattr(self.model.train_function, "__self__", None), Planner))
             return self.model.train_function(iterator)
         try:
             if self._installation is None:

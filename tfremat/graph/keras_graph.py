@@ -98,8 +98,9 @@ def walk(model: Any) -> list[CallSite]:
         model: A built functional or Sequential Keras model.
 
     Returns:
-        Call sites in execution order (a topological order), an InputLayer
-        call site for each model input, nested functional models flattened.
+        Call sites in execution order (a topological order): an InputLayer
+        call site for each model input first, then the calls, nested
+        functional models flattened.
 
     Raises:
         UnsupportedModelError: for subclassed or unbuilt models.
@@ -156,6 +157,10 @@ def walk_with_outputs(model: Any) -> tuple[list[CallSite], list[str]]:
 
     refs: dict[int, str] = {}
     visit(functional, "", "", refs)
+    # The model's inputs first, as the extracted graph lists them: a second
+    # input read deep in the model would otherwise come later here, and the
+    # fingerprint follows the order.
+    sites = [s for s in sites if s.is_input] + [s for s in sites if not s.is_input]
     return sites, [refs[id(t)] for t in functional.outputs]
 
 
