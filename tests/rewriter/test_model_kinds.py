@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import tfremat
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import Segment
 from tfremat.rewriter import RecomputeSegment, rewrite_model
@@ -114,8 +115,6 @@ def test_a_plan_made_by_tracing_fits_a_model_whose_second_input_is_read_late():
     """Image and metadata inputs, the metadata read only at the head: the traced
     graph lists both inputs first, and the rewriter's graph of the model must
     too (its fingerprint follows the order), or every plan is refused."""
-    import tfremat
-
     keras.utils.set_random_seed(18)
     image = keras.Input((16, 16, 3), name="image")
     meta = keras.Input((4,), name="meta")
