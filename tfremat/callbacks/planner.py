@@ -311,8 +311,7 @@ class Planner(keras.callbacks.Callback):
             # Called by a fit this callback is not part of: an earlier fit with
             # it was interrupted between steps. Give the model back and go on.
             self._restore()
-            self.model.make_train_function(force=isinstance(
-                getattr(self.model.train_function, "__self__", None), Planner))
+            self.model.make_train_function()
             return self.model.train_function(iterator)
         try:
             if self._installation is None:
