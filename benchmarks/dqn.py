@@ -523,10 +523,12 @@ def without_cache(argv: list[str]) -> list[str]:
 def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
     """Plans and measures every model of `measured_models()` (or `--models`),
     writing results after each model into `data["measured"]`."""
-    import platform
     import shlex
     import statistics
     import tempfile
+
+    sys.path.insert(0, HERE)
+    from planners import machine
 
     labels = list(measured_models())
     if args.models:
@@ -537,8 +539,7 @@ def measure_all(data: dict[str, Any], args: argparse.Namespace) -> None:
            for m in before.get("models", [])}
     data["measured"] = {
         "command": "python " + shlex.join(["benchmarks/dqn.py", *without_cache(sys.argv[1:])]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}, TensorFlow CPU",
+        "machine": machine(),
         "repeats": args.repeats, "steps": args.steps, "reductions": MEASURED_REDUCTIONS,
         "models": []}
     for label in measured_models():

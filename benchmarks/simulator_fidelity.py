@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planners import machine  # noqa: E402
 
 CASES = ["ResNet50:96:16", "ResNet50:128:16", "DenseNet121:96:16", "MobileNetV2:128:16",
          "VGG19:96:8", "InceptionV3:139:8", "EfficientNetB0:96:16"]
@@ -64,8 +66,8 @@ def main(argv: list[str]) -> None:
     lines = [
         "# Simulator fidelity: predicted vs measured peak of one training step",
         "",
-        f"`python benchmarks/simulator_fidelity.py` on {platform.machine()}, "
-        f"{os.cpu_count()} cores, device {rows[0]['device']}; SGD, categorical "
+        f"`python benchmarks/simulator_fidelity.py` on {machine()}, "
+        f"device {rows[0]['device']}; SGD, categorical "
         "cross-entropy, keras.applications with weights=None and 10 classes. Measured: "
         "`get_memory_info(device)['peak']` after `reset_memory_stats`, each model alone "
         "in a fresh process. Peaks include weights, optimizer state and the batch.",

@@ -150,3 +150,12 @@ def test_verbose_dp_shows_rich_progress(planner, capsys):
     loud = make_plan(graph, budget, planner, verbose=2)
     assert "DP" in capsys.readouterr().out
     assert loud.segments == quiet.segments
+
+
+@pytest.mark.parametrize("planner", ["auto", "chen-sqrt"])
+def test_a_plan_from_make_plan_carries_its_graph_for_summary(planner, capsys):
+    graph = G.chain(20)
+    plan = make_plan(graph, min_feasible_budget(graph, planner), planner)
+    assert plan.graph is graph
+    plan.summary()
+    assert plan.planner in capsys.readouterr().out

@@ -195,8 +195,8 @@ class Plan:
             beside them (see docs/how-it-works.md, "Pinning the order").
             Implied by `update_in_backward` while the updates run. Predicted
             as the unpinned step (pinned steps measured both lower and higher).
-        graph: The PlanGraph planned for, when known (set by `tfremat.plan`;
-            not serialised: a plan read from JSON has none).
+        graph: The PlanGraph planned for, when known (set by `tfremat.plan` and
+            `make_plan`; not serialised: a plan read from JSON has none).
 
     Example:
 

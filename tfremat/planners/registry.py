@@ -96,21 +96,24 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"Unknown objective {objective!r}; choose one of {OBJECTIVES}.")
-    # Plans made for the marked graph run their updates in the backward pass.
-    graph = with_updates_in_backward(graph, update_in_backward)
-    if planner == "auto":
-        return _auto(graph, budget_bytes, objective, time_limit, verbose, offload, settings)
-    if planner not in PLANNERS:
+    if planner != "auto" and planner not in PLANNERS:
         raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
                          f"{sorted(PLANNERS)}.")
-    if planner == "exact-dp":
-        return _exact_or_approx(graph, budget_bytes, objective, time_limit, verbose,
+    # Plans made for the marked graph run their updates in the backward pass.
+    marked = with_updates_in_backward(graph, update_in_backward)
+    if planner == "auto":
+        plan = _auto(marked, budget_bytes, objective, time_limit, verbose, offload, settings)
+    elif planner == "exact-dp":
+        plan = _exact_or_approx(marked, budget_bytes, objective, time_limit, verbose,
                                 settings)
-    if planner == "approx-dp":
-        settings = {**settings, "objective": objective, "verbose": verbose}
-    if planner == "dqn":
-        settings = {**settings, "offload": offload}
-    return PLANNERS[planner](graph, budget_bytes, **settings)
+    else:
+        if planner == "approx-dp":
+            settings = {**settings, "objective": objective, "verbose": verbose}
+        if planner == "dqn":
+            settings = {**settings, "offload": offload}
+        plan = PLANNERS[planner](marked, budget_bytes, **settings)
+    plan.graph = graph  # for plan.summary() and plan.to_pydot()
+    return plan
 
 
 def min_feasible_budget(graph: PlanGraph, planner: str = "auto", **settings: Any) -> int:
