@@ -143,34 +143,3 @@ def test_a_multi_replica_step_keeps_every_weight_gradient_until_the_update():
     several.metadata["replicas"] = 2
     at_update = [dict(simulate(g).timeline)["optimizer update"] for g in (one, several)]
     assert at_update[1] - at_update[0] == (40 - 24) * 1024
-
-
-def carried_chain() -> PlanGraph:
-    """`chain(6)` where l2's backward starts while l3's filter-gradient kernel
-    still holds 40 MiB of scratch (`Node.carried_from`)."""
-    g = chain(6)
-    l2 = g.node("l2")
-    l2.backward_workspace_bytes, l2.carried_scratch_bytes, l2.carried_from = 40 * MB, 40 * MB, "l3"
-    return g
-
-
-def transient_at(est, label: str) -> int:
-    """Live bytes at step `label` minus those at the step before it."""
-    labels = [lb for lb, _ in est.timeline]
-    i = labels.index(label)
-    return est.timeline[i][1] - est.timeline[i - 1][1]
-
-
-def test_a_kernels_scratch_is_carried_into_the_next_backward_unless_a_recompute_runs_between():
-    g = carried_chain()
-    ids = [f"l{i}" for i in range(6)]
-    # Plain, and with l2 and l3 in one segment: l2's backward follows l3's.
-    for plan in (None, Plan.from_segments(g, [ids[1:4]])):
-        est = simulate(g, plan)
-        assert est.peak_step == "bwd l2"
-        assert est.activation_peak_bytes > 40 * MB
-    # A segment boundary between them: l2's segment is recomputed after l3's
-    # backward, and the kernel has ended by then.
-    est = simulate(g, Plan.from_segments(g, [ids[0:3], ids[3:6]]))
-    assert est.activation_peak_bytes < 40 * MB
-    assert transient_at(est, "bwd l2") < 10 * MB

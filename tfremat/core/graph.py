@@ -82,13 +82,6 @@ class Node:
             beyond its outputs and saved tensors.
         backward_workspace_bytes: Peak transient memory of its backward ops beyond
             the input gradients it produces.
-        carried_scratch_bytes: The part of `backward_workspace_bytes` that is
-            the scratch of an earlier call's kernel, which may still run when
-            this call's backward starts (a filter gradient off the chain of
-            output gradients, on another inter-op thread).
-        carried_from: The call whose kernel that is, or None. After a
-            recomputation runs between the two, the kernel has ended and its
-            scratch does not count.
         param_bytes: Bytes of the trainable weights whose gradient this call
             produces (0 for later calls of a shared layer).
         flops_forward: Floating point operations of the forward pass.
@@ -119,8 +112,6 @@ class Node:
     internal_saved_bytes: int = 0
     forward_workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
-    carried_scratch_bytes: int = 0
-    carried_from: str | None = None
     param_bytes: int = 0
     flops_forward: float = 0.0
     flops_backward: float = 0.0

@@ -206,10 +206,10 @@ def _scratch_spans(positions: list[int], local: dict[int, int],
 
 
 def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
-                         owner: list[str | None]) -> dict[str, tuple[int, str]]:
+                         owner: list[str | None]) -> dict[str, int]:
     """For each node, the scratch of an earlier node's kernel that may still be
-    running while its backward runs, and that node (only when kernels run side
-    by side, `flow.concurrent`).
+    running while its backward runs (only when kernels run side by side,
+    `flow.concurrent`).
 
     A backward kernel whose outputs no other node's backward reads (a weight
     gradient, which only the update reads) is off the chain of output
@@ -222,16 +222,15 @@ def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
     gradient of an activity regularizer runs at the start of the backward
     pass, long before the rest of its layer's.
     """
-    carry: dict[str, tuple[int, str]] = {}
+    carry: dict[str, int] = {}
     if not flow.concurrent:
         return carry
     bwd = range(traced.backward_start, traced.backward_end)
     pending_owner, pending = None, 0
     for i in bwd:
         v = owner[i]
-        if (v not in _NOT_CALLS and pending_owner not in (None, v)
-                and pending > carry.get(v, (0, ""))[0]):
-            carry[v] = (pending, pending_owner)
+        if v not in _NOT_CALLS:
+            carry[v] = max(carry.get(v, 0), pending if pending_owner != v else 0)
         readers = [c for j in range(len(flow.ops[i].outputs))
                    for c in flow.readers[flow.root[(i, j)]]]
         if flow.scratch.get(i) and readers and all(
@@ -402,12 +401,9 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             c in bwd for c in flow.readers[r])}
         forward_ws = _peak_of_temporaries(
             fwd_pos, flow, lambda r: r not in out_roots and r not in saved_roots)
-        def own_temporary(r: _Root, site_id: str = site.id) -> bool:
-            return all(owner[c] == site_id for c in flow.readers[r])
-
-        carried, carried_from = overlapping.get(site.id, (0, None))
-        backward_ws = _peak_of_temporaries(bwd_pos, flow, own_temporary, carried)
-        alone_ws = _peak_of_temporaries(bwd_pos, flow, own_temporary) if carried else backward_ws
+        backward_ws = _peak_of_temporaries(
+            bwd_pos, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
+            carried=overlapping.get(site.id, 0))
         weights = getattr(site.operation, "trainable_weights", [])
         param_bytes = 0
         if site.layer_key not in params_seen:
@@ -426,8 +422,6 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             backward_reads=sorted(set(backward_reads.get(site.id, []))),
             internal_saved_bytes=int(internal_saved.get(site.id, 0)),
             forward_workspace_bytes=forward_ws, backward_workspace_bytes=backward_ws,
-            carried_scratch_bytes=backward_ws - alone_ws,
-            carried_from=carried_from if backward_ws > alone_ws else None,
             param_bytes=param_bytes,
             flops_forward=sum(costs.op_flops(ops[i]) for i in fwd_pos),
             flops_backward=sum(costs.op_flops(ops[i]) for i in bwd_pos),

@@ -123,10 +123,6 @@ class Schedule:
         # every call is inside it, and the weight gradients they made so far.
         self._unit_layers: set[str] | None = None
         self._unit_grads: list[Key] = []
-        # Nodes whose backward ran, and those that had run before the latest
-        # recomputation began: their kernels have ended (`Node.carried_from`).
-        self._backward_done: set[str] = set()
-        self._ended: set[str] = set()
 
     # -- queries -------------------------------------------------------------
 
@@ -255,7 +251,6 @@ class Schedule:
                     self._unit_layers = self._own_layers(unit)
                 sub = self._units_of(unit)
                 inner = _Context(ctx)
-                self._ended = set(self._backward_done)
                 self.forward(sub, inner, record=True)
                 self.backward(sub, inner)
                 for key in self._segment_inputs(unit, ctx):  # the closure held them so far
@@ -277,11 +272,7 @@ class Schedule:
         return [ctx.resolve(r) for r in dict.fromkeys(refs)]
 
     def _backward_node(self, node: Node, ctx: "_Context") -> None:
-        workspace = node.backward_workspace_bytes
-        if node.carried_from in self._ended:
-            workspace -= node.carried_scratch_bytes
-        self._backward_done.add(node.id)
-        step = self._step(f"bwd {node.id}", workspace,
+        step = self._step(f"bwd {node.id}", node.backward_workspace_bytes,
                           node_seconds(node, self.device_flops)[1])
         self.backward_step[node.id] = step
         for i, t in enumerate(node.outputs):
