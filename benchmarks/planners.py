@@ -519,10 +519,9 @@ def machine() -> str:
     """The machine a benchmark ran on: architecture, CPU model and its L3 cache,
     cores, Python.
 
-    The CPU matters, not only its count: TensorFlow's CPU convolution kernels
-    size their scratch by the cache (a 1x1 filter gradient of ResNet50 at 96 px
-    takes 32 MiB of scratch on an AMD EPYC with a 32 MiB L3), so peaks
-    measured and predicted on one CPU are not another's.
+    The CPU matters, not only its count: the scratch TensorFlow's CPU kernels
+    allocate, and so the peaks measured and predicted, differ from one CPU to
+    another (docs/how-it-works.md, "Another CPU, other peaks").
     """
     model = platform.processor() or platform.machine()
     try:

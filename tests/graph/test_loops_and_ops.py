@@ -211,7 +211,7 @@ def test_an_lstm_step_is_predicted_with_its_iterations_in_flight():
     machine; at 4.1-4.4 MiB in 30 of 30 calls on an AMD EPYC. The prediction
     (8.7 MiB) is the highest level, the one a budget must allow for: every
     call measures at most 20% above it, and at least 80% of it without the
-    partials in flight (4.4 MiB), the level where none wait. Measured in a
+    partials in flight (4.3 MiB), the level where none wait. Measured in a
     fresh process: the peak is process-wide."""
     peaks = run_fresh(_LSTM_PEAKS)
     in_flight = 31 * (128 * 256 + 16 * 256) * 4  # input kernel partial + gate gradients
