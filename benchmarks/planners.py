@@ -523,7 +523,7 @@ def machine() -> str:
     allocate, and so the peaks measured and predicted, differ from one CPU to
     another (docs/how-it-works.md, "Another CPU, other peaks").
     """
-    model = platform.processor() or platform.machine()
+    model = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
             model = next(line.split(":", 1)[1].strip() for line in f
