@@ -41,6 +41,33 @@ def _configure_logical_cpus() -> None:
 _configure_logical_cpus()
 
 
+def _slow_node_ids() -> set[str]:
+    """The node ids listed in tests/slow.txt (comments and blank lines left out)."""
+    text = (pathlib.Path(__file__).parent / "slow.txt").read_text()
+    return {line.strip() for line in text.splitlines()
+            if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of tests/slow.txt `slow` (before `-m` selects), and fails
+    the collection when that list names a test of a collected module that no
+    longer exists, so a renamed test does not fall back into the fast selection
+    silently."""
+    slow = _slow_node_ids()
+    collected = {item.nodeid for item in items}
+    # Modules are collected whole unless the command line names tests in them.
+    modules = set() if any("::" in arg for arg in config.args) else {
+        item.nodeid.split("::")[0] for item in items}
+    stale = sorted(n for n in slow if n.split("::")[0] in modules and n not in collected)
+    if stale:
+        raise pytest.UsageError("tests/slow.txt names tests that do not exist: "
+                                + ", ".join(stale))
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _clear_keras_session():
     import keras

@@ -504,8 +504,8 @@ def test_a_replan_that_keeps_the_plan_leaves_its_trials_out_of_the_epoch_peak(
 
     def empty_then_a_big_trial(model, budget, **kwargs):
         calls.append(budget)
-        if len(calls) > 1:  # the re-plan: a trial that allocates 256 MiB, freed
-            tf.reduce_sum(tf.ones([256 * 2**20 // 4]) + 1.0)
+        if len(calls) > 1:  # the re-plan: a trial that allocates 1 GiB, freed
+            tf.reduce_sum(tf.ones([2**30 // 4]) + 1.0)
         return tfremat.Plan.from_segments(kwargs["graph"], [], planner="optimistic")
 
     monkeypatch.setattr(planner_module.api, "plan", empty_then_a_big_trial)
@@ -514,4 +514,6 @@ def test_a_replan_that_keeps_the_plan_leaves_its_trials_out_of_the_epoch_peak(
         hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
                                 callbacks=[planner])
     assert len(calls) == 2 and planner.replans == 0
-    assert all(p < 128 for p in hist.history["peak_memory_mb"]), hist.history
+    # Half the trial: the training steps alone peaked at 129.7 MiB on an AMD EPYC
+    # (over the 128 this assertion had when the trial was 256 MiB).
+    assert all(p < 512 for p in hist.history["peak_memory_mb"]), hist.history

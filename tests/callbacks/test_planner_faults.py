@@ -91,8 +91,17 @@ def test_the_plan_is_applied_again_after_the_restart(runs):
 
 
 def test_final_weights_equal_the_same_kill_and_restart_without_the_planner(runs):
-    for a, b in zip(runs["planned"]["final"], runs["plain"]["final"]):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    """Within 1e-6 of the weights' global norm, the measure of the rewriter's
+    exactness tests: the recomputed graph sums some gradients in another order,
+    and a convolution's bias before BatchNorm, whose gradient is zero in exact
+    arithmetic, holds accumulated rounding only (|b| < 4e-6 here), which that
+    order moves by 10% of itself (on an AMD EPYC by 1.5e-7, past an elementwise
+    atol of 1e-7); each run alone is bit-reproducible."""
+    planned, plain = runs["planned"]["final"], runs["plain"]["final"]
+    assert [a.shape for a in planned] == [b.shape for b in plain]
+    a = np.concatenate([w.ravel() for w in planned]).astype(np.float64)
+    b = np.concatenate([w.ravel() for w in plain]).astype(np.float64)
+    assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), np.linalg.norm(a - b)
     moved = max(np.max(np.abs(a - b)) for a, b in zip(runs["plain"]["final"],
                                                         runs["plain"]["backup_step"]))
     assert moved > 1e-4  # training went on after the restart

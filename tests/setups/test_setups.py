@@ -59,7 +59,9 @@ def rel_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return float(np.linalg.norm(x - y) / np.linalg.norm(x))
 
 
-# Two fresh processes per setup, 8-40 s each on 2 cores: ~8 minutes in all.
+# Two fresh processes per setup: 30-160 s a setup in the suite on a 2-core AMD
+# EPYC, 25 minutes for the 15. Seven run in the default selection, the other
+# eight with `-m slow` (tests/slow.txt).
 @pytest.mark.parametrize("threads", [
     "1", pytest.param("default", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(SETUPS))
