@@ -317,7 +317,11 @@ class Plan:
             raise PlanMismatchError(
                 f"This plan was made for graph {self.graph_fingerprint}, not for "
                 f"{graph.name!r} (fingerprint {graph.fingerprint()}): the model's layers "
-                "or their connections differ. Plan again for this model.")
+                "or their connections differ. Plan again for this model. (Layer names "
+                "count: Keras numbers unnamed layers per process, so a model built after "
+                "another one gets `dense_1` where a fresh process gets `dense`. Call "
+                "keras.backend.clear_session() before building it, or load it from "
+                "its .keras file.)")
 
     def validate(self, graph: PlanGraph) -> None:
         """Checks the plan against `graph` (see `tfremat.core.validate_plan`).
