@@ -39,16 +39,15 @@ def test_plan_for_another_graph_names_both_fingerprints():
     assert h.plan_for(model, []).graph_fingerprint in str(info.value)
 
 
-
 def test_a_model_built_after_another_is_refused_with_the_way_out():
     """Keras numbers unnamed layers per process: the same architecture built
     second has other names, so another fingerprint. The error says what
-    gives a fresh process's names again, and that works."""
+    gives a fresh process's names again, and that works. (The autouse
+    `_clear_keras_session` fixture starts the test with fresh counters.)"""
     def build() -> keras.Model:
         inp = keras.Input((4,))
         return keras.Model(inp, keras.layers.Dense(2)(keras.layers.Dense(3)(inp)))
 
-    keras.backend.clear_session()
     first = build()
     plan = h.plan_for(first, [h.body_ids(first)[:1]])
     with pytest.raises(PlanMismatchError, match=r"keras\.backend\.clear_session\(\)"):
@@ -57,6 +56,7 @@ def test_a_model_built_after_another_is_refused_with_the_way_out():
     rewritten = rewrite_model(build(), plan)
     assert any(isinstance(layer, functional_rebuild.RecomputeSegment)
                for layer in rewritten.layers)
+
 
 def test_input_layer_in_segment_is_rejected():
     model = h.deep_mlp()
