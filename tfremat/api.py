@@ -589,8 +589,7 @@ def chief_plan(local: Plan, graph: PlanGraph) -> Plan:
     length = int(summed(tf.constant([len(mine) if chief else 0]))[0])
     received = summed(tf.constant(mine if chief else np.zeros(length, np.int32)))
     chosen_text = np.asarray(received, np.uint8).tobytes().decode()
-    chosen = Plan.from_json(chosen_text)
-    chosen.check_graph(graph)
+    chosen = Plan.from_json(chosen_text).for_graph(graph)
     if chosen_text != text:
         logger.warning("tfremat: this worker's own plan differs from the chief's "
                        "(%d vs %d segments); using the chief's.",

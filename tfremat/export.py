@@ -65,6 +65,7 @@ def to_pydot(graph: PlanGraph, plan: Plan | None = None, *,
         A `pydot.Dot`.
     """
     if plan is not None:
+        plan = plan.for_graph(graph)
         plan.validate(graph)
     dot = pydot.Dot(graph_type="digraph", rankdir=rankdir, fontname="Helvetica",
                     label=_title(graph, plan), labelloc="t")
@@ -225,6 +226,7 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     text = tfremat.summary(plan.graph, plan)   # plan.summary() prints the same
     ```
     """
+    plan = plan.for_graph(graph)
     plan.validate(graph)
     plain = simulate(graph)
     est = simulate(graph, plan, validate=False)

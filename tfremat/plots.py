@@ -86,6 +86,8 @@ def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
     from matplotlib.figure import Figure
 
     plain = simulate(graph)
+    if plan is not None:
+        plan = plan.for_graph(graph)
     planned = simulate(graph, plan) if plan is not None and not plan.is_empty else None
     fig = Figure(figsize=(10, 4.8), dpi=100, layout="constrained")
     ax = fig.add_subplot()

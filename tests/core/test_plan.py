@@ -1,5 +1,6 @@
 """The Plan: typed estimates, JSON round trips, plans written by tfremat 0.1, errors."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -70,8 +71,80 @@ def test_a_missing_file_is_not_read_as_json(tmp_path):
 
 def test_mismatch_names_the_structure_not_the_batch_size():
     plan = Plan.from_segments(G.chain(4), [])
-    with pytest.raises(PlanMismatchError, match="layers or their connections differ"):
+    with pytest.raises(PlanMismatchError, match="their connections or their order differ"):
         plan.validate(G.chain(5))
+
+
+def _renamed(graph: PlanGraph, suffix: str) -> PlanGraph:
+    """`graph` with every node id (and layer name) given `suffix`, as Keras
+    names the same model built after another one in a process."""
+    def ref(r: str) -> str:
+        node_id, index = r.rsplit(":", 1)
+        return f"{node_id}{suffix}:{index}"
+
+    nodes = [dataclasses.replace(n, id=n.id + suffix, layer=n.layer + suffix,
+                                 inputs=[ref(r) for r in n.inputs],
+                                 backward_reads=[ref(r) for r in n.backward_reads])
+             for n in graph]
+    return dataclasses.replace(graph, nodes=nodes, outputs=[ref(r) for r in graph.outputs],
+                               outputs_in_place=[ref(r) for r in graph.outputs_in_place])
+
+
+def test_a_plan_applies_to_the_same_graph_under_other_ids():
+    graph = G.resnet_like(4, bn_saved_mib=0.5)
+    plan = make_plan(graph, int(simulate(graph).peak_bytes * 0.7), "approx-dp")
+    assert plan.segments and plan.node_ids == [n.id for n in graph]
+    other = _renamed(graph, "_7")
+    assert other.fingerprint() != graph.fingerprint()
+    moved = plan.for_graph(other)
+    assert moved.segments == [Segment([n + "_7" for n in s.nodes],
+                                      [Segment([c + "_7" for c in k.nodes]) for k in s.children])
+                              for s in plan.segments]
+    moved.validate(other)
+    assert moved.for_graph(other) is moved and plan.for_graph(graph) is plan
+    assert simulate(other, plan).peak_bytes == simulate(graph, plan).peak_bytes
+    # A plan saved as JSON carries its ids, so it moves the same way.
+    assert Plan.from_json(plan.to_json()).for_graph(other) == moved
+    # The strict check says how to move it.
+    with pytest.raises(PlanMismatchError, match=r"plan\.for_graph\(graph\)"):
+        plan.validate(other)
+
+
+def test_offloads_move_with_their_tensors_and_triggers():
+    from tfremat.planners.swapping import swap
+
+    graph = G.unet_like(3)
+    plan = swap(graph, int(simulate(graph, device_flops=1e5).peak_bytes * 0.7),
+                device_flops=1e5)
+    assert plan.offloaded and plan.node_ids == [n.id for n in graph]
+    other = _renamed(graph, "_2")
+    moved = plan.for_graph(other)
+    assert [(o.tensor, o.prefetch_after) for o in moved.offloaded] == [
+        (o.tensor.replace(":", "_2:"), o.prefetch_after and o.prefetch_after + "_2")
+        for o in plan.offloaded]
+    before = simulate(graph, plan, device_flops=1e5)
+    after = simulate(other, plan, device_flops=1e5)
+    assert (after.peak_bytes, after.host_peak_bytes) == (before.peak_bytes,
+                                                          before.host_peak_bytes)
+
+
+def test_a_plan_without_node_ids_is_not_renamed_and_says_why():
+    graph = G.chain(4)
+    plan = Plan(graph.fingerprint(), segments=[Segment([graph.nodes[1].id])])
+    with pytest.raises(PlanMismatchError, match=r"records no node ids.*clear_session"):
+        plan.for_graph(_renamed(graph, "_1"))
+
+
+def test_another_structure_under_the_same_number_of_nodes_is_refused():
+    graph = G.resnet_like(3)
+    plan = Plan.from_segments(graph, [[graph.nodes[1].id]])
+    # The same nodes with one skip connection moved: same count, other edges.
+    nodes = list(graph.nodes)
+    last = nodes[-1]
+    rewired = dataclasses.replace(last, inputs=[f"{nodes[0].id}:0"] * len(last.inputs))
+    other = dataclasses.replace(graph, nodes=nodes[:-1] + [rewired])
+    with pytest.raises(PlanMismatchError, match="Plan again for this model"):
+        plan.for_graph(_renamed(other, "_3"))
 
 
 def test_budget_error_carries_exact_bytes_and_pickles():

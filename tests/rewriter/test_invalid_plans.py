@@ -9,7 +9,8 @@ import pytest
 
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import PlanMismatchError, PlanValidationError
-from tfremat.core import Offload, Segment
+from tfremat.core import Offload, Plan, Segment
+from tfremat.graph.keras_graph import structure_graph
 from tfremat.rewriter import rewrite_model
 from tfremat.rewriter import functional as functional_rebuild
 
@@ -39,11 +40,36 @@ def test_plan_for_another_graph_names_both_fingerprints():
     assert h.plan_for(model, []).graph_fingerprint in str(info.value)
 
 
-def test_a_model_built_after_another_is_refused_with_the_way_out():
+def test_a_plan_applies_to_the_same_model_built_after_another():
     """Keras numbers unnamed layers per process: the same architecture built
-    second has other names, so another fingerprint. The error says what
-    gives a fresh process's names again, and that works. (The autouse
-    `_clear_keras_session` fixture starts the test with fresh counters.)"""
+    second has other names, so another fingerprint. A plan records its graph's
+    node ids, so it is renamed by position and recomputes the same layers of
+    the second model. (The autouse `_clear_keras_session` fixture starts the
+    test with fresh counters.)"""
+    def build() -> keras.Model:
+        inp = keras.Input((4,))
+        return keras.Model(inp, keras.layers.Dense(2)(keras.layers.Dense(3)(inp)))
+
+    first = build()
+    plan = Plan.from_segments(structure_graph(first), [h.body_ids(first)[:1]])
+    second = build()
+    assert h.body_ids(second) != h.body_ids(first)
+    rewritten = rewrite_model(second, plan)
+    segments = [layer for layer in rewritten.layers
+                if isinstance(layer, functional_rebuild.RecomputeSegment)]
+    assert len(segments) == 1
+    inner = [layer for layer in segments[0].submodel.layers
+             if not isinstance(layer, keras.layers.InputLayer)]
+    assert inner == [second.layers[1]] and inner[0] is not first.layers[1]
+    # Through JSON, as a plan saved in another process arrives.
+    again = rewrite_model(second, Plan.from_json(plan.to_json()))
+    assert [type(layer) for layer in again.layers] == [type(layer) for layer in rewritten.layers]
+
+
+def test_a_hand_made_plan_for_other_names_is_refused_with_the_way_out():
+    """A plan without node ids (made by hand from a fingerprint) cannot be
+    renamed: the error says what gives a fresh process's names again, and
+    that works."""
     def build() -> keras.Model:
         inp = keras.Input((4,))
         return keras.Model(inp, keras.layers.Dense(2)(keras.layers.Dense(3)(inp)))
@@ -56,6 +82,23 @@ def test_a_model_built_after_another_is_refused_with_the_way_out():
     rewritten = rewrite_model(build(), plan)
     assert any(isinstance(layer, functional_rebuild.RecomputeSegment)
                for layer in rewritten.layers)
+
+
+def test_a_plan_for_another_structure_is_not_renamed():
+    """Renaming is by position, only for the same classes, edges and order:
+    one more layer, or another class at a position, is still refused."""
+    def build(width: int, second: type = keras.layers.Dense) -> keras.Model:
+        inp = keras.Input((4,))
+        x = inp
+        for _ in range(width):
+            x = keras.layers.Dense(3)(x)
+        return keras.Model(inp, second(2)(x))
+
+    first = build(2)
+    plan = Plan.from_segments(structure_graph(first), [h.body_ids(first)[:1]])
+    for other in (build(3), build(2, lambda n: keras.layers.Reshape((3,)))):
+        with pytest.raises(PlanMismatchError, match="Plan again for this model"):
+            rewrite_model(other, plan)
 
 
 def test_input_layer_in_segment_is_rejected():

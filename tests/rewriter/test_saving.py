@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 
+from tests.fresh import run_fresh
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import Segment
 from tfremat.rewriter import rewrite_model
@@ -51,6 +52,36 @@ def test_keras_file_round_trip_in_fresh_process(build, tmp_path):
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("OK")
+
+
+def test_a_plan_saved_where_other_models_were_built_applies_in_a_fresh_process(tmp_path):
+    """The way a plan travels: planned in a notebook that built other models
+    first (so Keras numbered this one's layers on), saved as JSON, applied in
+    a fresh process to the model built from the same code."""
+    import tfremat
+
+    h.residual_cnn()  # another model first, with layers of the same classes
+    model = h.residual_cnn()
+    graph = tfremat.extract(model, batch_size=8)
+    plan = tfremat.plan(model, tfremat.simulate(graph).peak_mb * 0.8, batch_size=8,
+                        update_in_backward=False)
+    assert plan.segments and h.body_ids(model)[0] != "conv2d"
+    plan.to_json(tmp_path / "plan.json")
+    script = textwrap.dedent(f"""
+        import keras, numpy as np
+        import tfremat
+        from tests.rewriter import rewrite_helpers as h
+        from tfremat.rewriter import RecomputeSegment
+        keras.utils.set_random_seed(3)
+        model = h.residual_cnn()
+        assert h.body_ids(model)[0] == "conv2d"
+        plan = tfremat.Plan.from_json({str(tmp_path / 'plan.json')!r})
+        rewritten = tfremat.rewrite(model, plan)
+        segments = [l for l in rewritten.layers if isinstance(l, RecomputeSegment)]
+        h.assert_same_step(model, rewritten, h.batch_for(model), "function")
+        print('{{"segments": %d}}' % len(segments))
+    """)
+    assert run_fresh(script) == {"segments": len(plan.segments)}
 
 
 def test_original_weights_reach_the_rewritten_model_through_the_original(tmp_path):

@@ -151,6 +151,21 @@ def test_plan_for_another_subclassed_model_is_rejected():
         rewrite_model(model, plan, sample=x)
 
 
+def test_a_plan_for_the_same_subclassed_model_built_again_is_renamed():
+    """The second `SubclassedCNN` of a process has `conv_block_3` where the
+    first has `conv_block`: the plan moves to the same positions and gives
+    the same step."""
+    keras.utils.set_random_seed(6)
+    first, x = _cnn()
+    plan = _plan(first, x, [b.name for b in first.blocks[:2]])
+    model, _ = _cnn()
+    assert model.blocks[0].name != first.blocks[0].name
+    rewritten = rewrite_model(model, Plan.from_json(plan.to_json()), sample=x)
+    assert [isinstance(b, RecomputedCall) for b in rewritten.blocks] == [True, True, False]
+    assert [b.layer for b in rewritten.blocks[:2]] == model.blocks[:2]
+    h.assert_same_step(model, rewritten, x, "function")
+
+
 def test_split_shared_sublayer_is_rejected():
     class Twice(keras.Model):
         def __init__(self):

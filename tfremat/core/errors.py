@@ -82,7 +82,9 @@ class PlanMismatchError(PlanValidationError):
     """A plan was made for another graph.
 
     A plan records the fingerprint of the layer graph it was made for; a model
-    whose layers or connections differ gets a new plan.
+    whose layers, connections or their order differ gets a new plan. The same
+    model with other layer names (Keras numbers unnamed layers per process)
+    takes the plan, renamed (`Plan.for_graph`).
 
     Example:
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from tfremat.core import jsonio
 from tfremat.core.errors import MIB, PlanMismatchError, PlanValidationError
-from tfremat.core.graph import PlanGraph
+from tfremat.core.graph import PlanGraph, split_ref, structure_fingerprint
 from tfremat.core.validation import validate_plan
 
 PLAN_VERSION = 1
@@ -195,6 +195,10 @@ class Plan:
             beside them (see docs/how-it-works.md, "Pinning the order").
             Implied by `update_in_backward` while the updates run. Predicted
             as the unpinned step (pinned steps measured both lower and higher).
+        node_ids: The ids of the planned graph's nodes, in its order (set by
+            `from_segments`). With them the plan applies to a model of the
+            same structure whose layers are named otherwise (`for_graph`);
+            without them, only to a graph with the same ids.
         graph: The PlanGraph planned for, when known (set by `tfremat.plan` and
             `make_plan`; not serialised: a plan read from JSON has none).
 
@@ -218,6 +222,7 @@ class Plan:
     update_in_backward: bool = False
     update_note: str = ""
     pin_order: bool = False
+    node_ids: list[str] = dataclasses.field(default_factory=list)
     graph: PlanGraph | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -231,7 +236,8 @@ class Plan:
         """
         segs = [s if isinstance(s, Segment) else Segment(list(s)) for s in segments]
         kwargs.setdefault("update_in_backward", updates_in_backward(graph))
-        return cls(graph_fingerprint=graph.fingerprint(), segments=segs, **kwargs)
+        return cls(graph_fingerprint=graph.fingerprint(), segments=segs,
+                   node_ids=[n.id for n in graph], **kwargs)
 
     @property
     def is_empty(self) -> bool:
@@ -312,16 +318,68 @@ class Plan:
     # -- checks ----------------------------------------------------------
 
     def check_graph(self, graph: PlanGraph) -> None:
-        """Raises `PlanMismatchError` unless the plan was made for `graph`."""
-        if self.graph_fingerprint != graph.fingerprint():
-            raise PlanMismatchError(
-                f"This plan was made for graph {self.graph_fingerprint}, not for "
-                f"{graph.name!r} (fingerprint {graph.fingerprint()}): the model's layers "
-                "or their connections differ. Plan again for this model. (Layer names "
-                "count: Keras numbers unnamed layers per process, so a model built after "
-                "another one gets `dense_1` where a fresh process gets `dense`. Call "
-                "keras.backend.clear_session() before building it, or load it from "
-                "its .keras file.)")
+        """Raises `PlanMismatchError` unless the plan was made for `graph`,
+        ids included (`for_graph` renames a plan made for the same structure
+        under other ids)."""
+        if self.graph_fingerprint == graph.fingerprint():
+            return
+        self.for_graph(graph)  # raises when the structure differs
+        raise PlanMismatchError(
+            f"This plan names the nodes of {graph.name!r} by other ids (its layers "
+            "are named otherwise than where it was planned): use "
+            "plan.for_graph(graph), which renames them.")
+
+    def for_graph(self, graph: PlanGraph) -> "Plan":
+        """This plan in the node ids of `graph`.
+
+        Keras names unnamed layers by a counter of the process: the same model
+        built after another one has `dense_1` where a fresh process has
+        `dense`. When `graph` has the structure the plan was made for (the
+        same layer classes, connections and order) under other ids, the plan
+        is returned with its ids renamed by position. `tfremat.rewrite`,
+        `tfremat.simulate` and the pictures call it.
+
+        Args:
+            graph: The graph of the model the plan is applied to.
+
+        Returns:
+            `self` when made for `graph`, else a renamed copy (without
+            `graph`).
+
+        Raises:
+            PlanMismatchError: `graph` has another structure, or other ids and
+                the plan records no `node_ids` (made by hand).
+        """
+        if self.graph_fingerprint == graph.fingerprint():
+            return self
+        ids = [n.id for n in graph]
+        if len(self.node_ids) == len(ids):
+            old = dict(zip(ids, self.node_ids))
+            if _renamed_fingerprint(graph, old) == self.graph_fingerprint:
+                return self._renamed(dict(zip(self.node_ids, ids)), graph)
+        hint = ("" if self.node_ids else
+                " (This plan records no node ids, so layer names count too: Keras "
+                "numbers unnamed layers per process. Call keras.backend.clear_session() "
+                "before building the model, or load it from its .keras file.)")
+        raise PlanMismatchError(
+            f"This plan was made for graph {self.graph_fingerprint}, not for "
+            f"{graph.name!r} (fingerprint {graph.fingerprint()}): the model's layers, "
+            f"their connections or their order differ. Plan again for this model.{hint}")
+
+    def _renamed(self, new: dict[str, str], graph: PlanGraph) -> "Plan":
+        """A copy naming each node `n` of the plan `new[n]`, for `graph`. Ids
+        the planned graph did not have stay, for `validate_plan` to name."""
+        def segment(seg: Segment) -> Segment:
+            return Segment([new.get(n, n) for n in seg.nodes],
+                           [segment(c) for c in seg.children])
+
+        return dataclasses.replace(
+            self, graph_fingerprint=graph.fingerprint(), node_ids=[n.id for n in graph],
+            segments=[segment(s) for s in self.segments],
+            offloaded=[Offload(_renamed_ref(o.tensor, new), new.get(o.prefetch_after,
+                                                                   o.prefetch_after))
+                       for o in self.offloaded],
+            graph=None)
 
     def validate(self, graph: PlanGraph) -> None:
         """Checks the plan against `graph` (see `tfremat.core.validate_plan`).
@@ -347,6 +405,7 @@ class Plan:
             "update_in_backward": self.update_in_backward,
             "update_note": self.update_note,
             "pin_order": self.pin_order,
+            "node_ids": list(self.node_ids),
         }
 
     def to_json(self, path: str | os.PathLike | None = None, *,
@@ -382,6 +441,7 @@ class Plan:
                 update_in_backward=bool(data.get("update_in_backward", False)),
                 update_note=str(data.get("update_note", "")),
                 pin_order=bool(data.get("pin_order", False)),
+                node_ids=[str(n) for n in data.get("node_ids", [])],
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise PlanValidationError(f"The plan's segments or offloads are malformed "
@@ -452,6 +512,22 @@ def recompute_units(graph: PlanGraph, segments: list[Segment]) -> list[Segment]:
     if not graph.metadata.get("subclassed", False):
         return list(segments)
     return [Segment([n]) for seg in segments for n in seg.nodes]
+
+
+def _renamed_ref(ref: str, names: dict[str, str]) -> str:
+    """The tensor reference `ref` with its node renamed by `names` (when
+    named there; a malformed one as it is, for `validate_plan` to name)."""
+    try:
+        node_id, index = split_ref(ref)
+    except ValueError:
+        return ref
+    return f"{names.get(node_id, node_id)}:{index}"
+
+
+def _renamed_fingerprint(graph: PlanGraph, names: dict[str, str]) -> str:
+    """`graph.fingerprint()` were its nodes renamed by `names`."""
+    return structure_fingerprint((names[n.id], n.class_name,
+                                  [_renamed_ref(r, names) for r in n.inputs]) for n in graph)
 
 
 def _require_views() -> PlanViews:

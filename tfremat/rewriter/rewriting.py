@@ -89,7 +89,8 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     Args:
         model: A built functional, Sequential or subclassed Keras model.
         plan: A plan made for this model's graph (`Plan.graph_fingerprint`
-            must match).
+            must match; a plan made for the same model with other layer names
+            is renamed, see `Plan.for_graph`).
         compute_device: The device the model computes on (offload only).
             Default: `"/GPU:0"` when a GPU exists.
         host_device: The device of the host copies (offload only). Default:
@@ -142,7 +143,9 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                           stacklevel=2)
         return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
-    validate_plan(plan, structure_graph(model))
+    structure = structure_graph(model)
+    plan = plan.for_graph(structure)
+    validate_plan(plan, structure)
     offload = None
     if plan.offloaded:
         offload = OffloadSettings({o.tensor: o.prefetch_after for o in plan.offloaded},

@@ -197,6 +197,7 @@ def rewrite_subclassed(model: keras.Model, plan: Plan, sample: Any = None) -> ke
     specs = _model_inputs(model, sample)
     graph = extract(model, sample=tree.map_structure(
         lambda spec: np.zeros(spec.shape, spec.dtype.as_numpy_dtype), specs))
+    plan = plan.for_graph(graph)
     validate_plan(plan, graph)
     units = {u.name: u for u in model._flatten_layers(include_self=False, recursive=False)}
     chosen = {graph.node(n).layer for seg in plan.segments for n in seg.nodes}

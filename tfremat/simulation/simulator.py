@@ -177,6 +177,7 @@ def simulate(graph: PlanGraph, plan: Plan | None = None, *, sharing: str = "shar
     if sharing not in SHARING_MODES:
         raise ValueError(f"Unknown sharing mode {sharing!r}; choose one of {SHARING_MODES}.")
     if plan is not None and validate:
+        plan = plan.for_graph(graph)
         validate_plan(plan, graph)
     schedule = build_schedule(graph, plan, device_flops=device_flops)
     keys, transfers = _transfers(schedule, plan.offloaded if plan is not None else [])
