@@ -172,6 +172,28 @@ def test_under_xla_updates_in_backward_train_as_plain_xla(model_name, optimizer)
     assert len(left) == (1 if model_name == "transformer" else 0)  # the tied embedding
 
 
+def test_a_rewritten_model_compiled_and_fit_as_usual_trains_as_plain():
+    """`tfremat.rewrite` then `compile` and `fit`, as the docs show: the
+    optimizer is not built before the step is traced (Keras builds it in its
+    first `apply`), so the first update in the backward pass builds it, on the
+    model's trainable variables as `apply` would."""
+    keras.utils.set_random_seed(0)
+    model = MODELS["cnn"]()
+    start = snapshot(model)
+    weights, slots = train(model, start, OPTIMIZERS["adam"], 2)
+    restore(model, start)
+    rewritten = rewrite_model(model, updates_plan(model, segmented=False))
+    optimizer = OPTIMIZERS["adam"]()
+    rewritten.compile(optimizer=optimizer, loss="mse")
+    assert not optimizer.built
+    x, y, _ = data_for(model, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: the updates ran in the backward pass
+        rewritten.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_same(weights, snapshot(model))
+    assert_same(slots, [np.array(v.numpy()) for v in optimizer.variables])
+
+
 def test_own_weights_are_updated_inside_the_backward_pass():
     keras.utils.set_random_seed(0)
     model = tied_transformer()

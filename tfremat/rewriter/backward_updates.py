@@ -276,10 +276,11 @@ class BackwardUpdates:
         if optimizer is None:
             return input_grads, var_grads
         if not optimizer.built:
-            raise RuntimeError(
-                "tfremat: updates in the backward pass need a built optimizer: "
-                "call optimizer.build(model.trainable_variables) before training "
-                "(model.fit does).")
+            # Keras builds it in its first `apply`, on the first trace of the
+            # train step, with the model's trainable variables: this unit's
+            # update comes first, so it builds it here, as `apply` would.
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(self.model.trainable_variables)
         # The tf.Variable under each Keras variable (`value` may be an autocast).
         known = {id(v._value): v for v in self.model.trainable_variables
                  if id(v) not in self.shared and v.regularizer is None
