@@ -30,6 +30,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.rewriter.rewrite_helpers import rel_error
 from tests.setups.models import ADAM, SETUPS
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
@@ -51,12 +52,6 @@ def run(name: str, mode: str, out: pathlib.Path, threads: str, *budget: float) -
 def weights(out: pathlib.Path, name: str, mode: str) -> list[np.ndarray]:
     data = np.load(out / f"{name}-{mode}.npz")
     return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def rel_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    x = np.concatenate([w.ravel() for w in a])
-    y = np.concatenate([w.ravel() for w in b])
-    return float(np.linalg.norm(x - y) / np.linalg.norm(x))
 
 
 # Two fresh processes per setup: 30-160 s a setup in the suite on a 2-core AMD
