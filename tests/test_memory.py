@@ -208,6 +208,22 @@ def test_multi_output_model_compiled_with_a_loss_dict(loss, metric):
     model.fit(x, labels, verbose=0)
 
 
+def test_planning_a_fresh_multi_output_model_leaves_its_loss_unbuilt_for_measuring():
+    """Tracing a step (`tfremat.extract`, which `tfremat.plan` runs first) used
+    to build the user's compiled loss in a graph that never runs: a dict of
+    losses' trackers stayed uninitialised, and the measurement that followed
+    (`plan(..., measure=True)`, `measure_peak`) failed restoring them."""
+    model = multi_output_model("mse", "mae")
+    tfremat.extract(model, batch_size=8)
+    assert not model._compile_loss.built and not model._compile_metrics.built
+    assert tfremat.measure_peak(model, batch_size=8) > 0
+    plan = tfremat.plan(model, budget_mb=1e4, batch_size=8, measure=True)
+    assert plan.estimates.details["measured_peak_bytes"] > 0
+    x = np.zeros((8, 32, 32, 3), "float32")
+    history = model.fit(x, {"a": np.ones((8, 3)), "b": np.ones((8, 5))}, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
 def test_fresh_model_with_metrics_measures_without_warnings(caplog):
     model = make_model()
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",

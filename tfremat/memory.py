@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from tfremat.backend import NO_STATS_HINT, device_name, require_tensorflow
 from tfremat.core import UnsupportedModelError
-from tfremat.graph import (TRACE_ERRORS, batch_specs, step_function, target_candidates,
-                           untraceable)
+from tfremat.graph import (TRACE_ERRORS, batch_specs, stand_ins, step_function,
+                           target_candidates, untraceable)
 
 logger = logging.getLogger("tfremat")
 
@@ -136,58 +136,6 @@ def _require_built(model: keras.Model) -> None:
             f"Model {model.name!r} is not built (unbuilt: {', '.join(unbuilt[:5])}). "
             "measure_peak does not build models: call the model on a batch, or build "
             "it with model.build(input_shape), first.")
-
-
-def _fresh_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
-    """An unbuilt copy of an unbuilt optimizer, made from its config."""
-    try:
-        return type(optimizer).from_config(optimizer.get_config())
-    except (TypeError, ValueError) as e:
-        raise UnsupportedModelError(
-            f"measure_peak could not copy the unbuilt optimizer {optimizer.name!r} from "
-            f"its config ({e}), and it does not build yours. Build it first with "
-            "model.optimizer.build(model.trainable_variables); measure_peak then "
-            "restores its state exactly.") from e
-
-
-@contextlib.contextmanager
-def _stand_ins(model: keras.Model) -> Iterator[bool]:
-    """Puts fresh, unbuilt copies in place of the model's unbuilt training state.
-
-    What the first training step (or `fit`) would build -- an unbuilt optimizer,
-    the compiled loss and metrics -- is copied, the copies are put on the model
-    for the measurement (as `compile` assigns them, without tracking), and the
-    originals go back on exit. The copies are built and measured; the originals
-    stay unbuilt. Built state is not copied: the step uses it and its variables
-    are restored afterwards. The copies are made as Keras 3's `compile` makes
-    them (from `_compile_loss` and `_compile_metrics`) and built by fit's own
-    `_symbolic_build`.
-
-    Yields:
-        Whether anything was replaced (and so needs building).
-    """
-    replacements: dict[str, Any] = {}
-    if getattr(model, "optimizer", None) is not None and model.compiled:
-        if not model.optimizer.built:
-            replacements["optimizer"] = _fresh_optimizer(model.optimizer)
-        loss = model._compile_loss
-        if loss is not None and not loss.built:
-            replacements["_compile_loss"] = type(loss)(
-                loss._user_loss, loss._user_loss_weights, reduction=loss.reduction,
-                output_names=loss.output_names)
-        metrics = model._compile_metrics
-        if metrics is not None and not metrics.built:
-            replacements["_compile_metrics"] = type(metrics)(
-                metrics._user_metrics, metrics._user_weighted_metrics,
-                output_names=metrics.output_names)
-    originals = {name: getattr(model, name) for name in replacements}
-    try:
-        for name, value in replacements.items():
-            object.__setattr__(model, name, value)  # bypasses Keras's and TF's tracking
-        yield bool(replacements)
-    finally:
-        for name, value in originals.items():
-            object.__setattr__(model, name, value)
 
 
 @contextlib.contextmanager
@@ -349,7 +297,7 @@ def _trace_and_measure(model: keras.Model, x: Any, x_spec: Any, given: Any,
         y = given[1] if given else synthetic_batch(y_spec, 2)
         # Each target spec gets its own copies and tf.function: a failed trace
         # leaves nothing half-built for the next one.
-        with _stand_ins(model) as replaced:
+        with stand_ins(model) as replaced:
             try:
                 if replaced:
                     model._symbolic_build(data_batch=(x, y))  # as fit builds them

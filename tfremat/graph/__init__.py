@@ -1,7 +1,8 @@
 """The TensorFlow front end: from a Keras model to its PlanGraph.
 
 `walk` lists a functional model's call sites (`keras_graph.py`); `trace` traces
-one training step and locates each call's ops in it (`tracing.py`); `extract`
+one training step and locates each call's ops in it (`tracing.py`), with fresh
+copies of the training state the step would build (`training_state.py`); `extract`
 turns the traced step into a `PlanGraph` (`extraction.py`) with bytes, FLOPs (`costs.py`) and,
 on request, measured times (`timing.py`). Importing this package needs
 TensorFlow.
@@ -15,11 +16,12 @@ from tfremat.graph.extraction import extract  # noqa: E402
 from tfremat.graph.keras_graph import (CallSite, as_functional, fingerprint,  # noqa: E402
                                        is_subclassed, structure_graph, walk,
                                        walk_with_outputs)
+from tfremat.graph.training_state import stand_ins  # noqa: E402
 from tfremat.graph.timing import measure_layer_times  # noqa: E402
 from tfremat.graph.tracing import (TRACE_ERRORS, TracedStep, batch_specs,  # noqa: E402
                                  step_function, target_candidates, trace, untraceable)
 
 __all__ = ["TRACE_ERRORS", "CallSite", "TracedStep", "as_functional", "batch_specs",
            "extract", "fingerprint", "is_subclassed", "measure_layer_times",
-           "step_function", "structure_graph", "target_candidates", "trace",
+           "stand_ins", "step_function", "structure_graph", "target_candidates", "trace",
            "untraceable", "walk", "walk_with_outputs"]

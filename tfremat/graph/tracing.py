@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tfremat.core import UnsupportedModelError
 from tfremat.graph.keras_graph import CallSite, is_subclassed, walk_with_outputs
+from tfremat.graph.training_state import stand_ins
 
 
 @dataclasses.dataclass
@@ -377,7 +378,10 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     for y in candidates:
         started = time.perf_counter()
         try:
-            with recorder.installed():
+            # The compiled loss and metrics the step builds are copies: built in
+            # a graph that never runs, the user's would keep uninitialised
+            # variables (a dict of losses' trackers).
+            with recorder.installed(), stand_ins(model, optimizer=False):
                 concrete = tf.function(recorded_step).get_concrete_function(x_spec, y)
         except TRACE_ERRORS as e:
             error = e

@@ -1,0 +1,83 @@
+"""Stand-ins for a compiled model's unbuilt training state.
+
+Keras builds a compiled model's optimizer, compiled loss and metrics in the
+first training step. A step that tfremat traces (`trace`) or runs
+(`tfremat.measure_peak`) and throws away must not build them on the user's
+model: variables created while a step is traced live in a graph that never runs
+(they stay uninitialised, and a later measurement or `fit` reads them), and a
+built optimizer refuses variables it was not built with (a layer unfrozen
+later). So the step gets fresh, unbuilt copies, built in its place and dropped
+with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import keras
+
+from tfremat.core import UnsupportedModelError
+
+
+def fresh_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """An unbuilt copy of an unbuilt optimizer, made from its config.
+
+    Raises:
+        UnsupportedModelError: the optimizer does not copy from its config.
+    """
+    try:
+        return type(optimizer).from_config(optimizer.get_config())
+    except (TypeError, ValueError) as e:
+        raise UnsupportedModelError(
+            f"tfremat could not copy the unbuilt optimizer {optimizer.name!r} from its "
+            f"config ({e}), and it does not build yours. Build it first with "
+            "model.optimizer.build(model.trainable_variables); measure_peak then "
+            "restores its state exactly.") from e
+
+
+@contextlib.contextmanager
+def stand_ins(model: keras.Model, *, optimizer: bool = True) -> Iterator[bool]:
+    """Puts fresh, unbuilt copies in place of the model's unbuilt training state.
+
+    What the first training step (or `fit`) would build -- an unbuilt optimizer,
+    the compiled loss and metrics -- is copied, the copies are put on the model
+    (as `compile` assigns them, without tracking), and the originals go back on
+    exit. Whoever runs the step builds the copies; the originals stay unbuilt.
+    Built state is not copied. The copies are made as Keras 3's `compile` makes
+    them (from `_compile_loss` and `_compile_metrics`).
+
+    Args:
+        model: A Keras model, compiled or not (nothing is replaced if not).
+        optimizer: Also replace an unbuilt optimizer. Tracing keeps the user's
+            (`step_function` builds it outside the traced graph, as `fit`
+            would), so that a custom optimizer without a config still traces.
+
+    Yields:
+        Whether anything was replaced (and so needs building).
+
+    Raises:
+        UnsupportedModelError: the unbuilt optimizer does not copy.
+    """
+    replacements: dict[str, Any] = {}
+    if getattr(model, "optimizer", None) is not None and model.compiled:
+        if optimizer and not model.optimizer.built:
+            replacements["optimizer"] = fresh_optimizer(model.optimizer)
+        loss = model._compile_loss
+        if loss is not None and not loss.built:
+            replacements["_compile_loss"] = type(loss)(
+                loss._user_loss, loss._user_loss_weights, reduction=loss.reduction,
+                output_names=loss.output_names)
+        metrics = model._compile_metrics
+        if metrics is not None and not metrics.built:
+            replacements["_compile_metrics"] = type(metrics)(
+                metrics._user_metrics, metrics._user_weighted_metrics,
+                output_names=metrics.output_names)
+    originals = {name: getattr(model, name) for name in replacements}
+    try:
+        for name, value in replacements.items():
+            object.__setattr__(model, name, value)  # bypasses Keras's and TF's tracking
+        yield bool(replacements)
+    finally:
+        for name, value in originals.items():
+            object.__setattr__(model, name, value)
