@@ -285,6 +285,28 @@ def test_re_planning_stops_at_the_lowest_plan_the_planner_reaches(monkeypatch):
     assert planner.replans == 1  # the lowest plan, installed once
 
 
+def test_a_re_plan_that_ends_at_the_plan_in_use_warns_once(monkeypatch):
+    """When the budget cannot absorb the measured excess and the lowest plan is
+    the one in use, the user gets one warning saying training goes on with it,
+    not also one saying it re-planned."""
+    x, y = data(2)
+
+    def nothing_lower(model, budget, **kwargs):
+        if budget < 100:
+            raise tfremat.BudgetError(int(budget * 2**20), 100 * 2**20, "auto")
+        return tfremat.Plan.from_segments(kwargs["graph"], [], planner="auto")
+
+    monkeypatch.setattr(planner_module.api, "plan", nothing_lower)
+    monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 300.0)
+    planner = tfremat.Planner(100, verbose=0, measure=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    said = [str(w.message) for w in caught if str(w.message).startswith("tfremat:")]
+    assert len(said) == 1 and "already the lowest" in said[0], said
+    assert planner.replans == 0
+
+
 def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):
     x, y = data(2)
     model = make_model(jit_compile=True)

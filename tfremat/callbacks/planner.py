@@ -520,6 +520,7 @@ class Planner(keras.callbacks.Callback):
         if self.verbose:
             io_utils.print_msg(f"tfremat: measured {peak_mb:.1f} MiB > budget "
                                f"{self.budget_mb:.1f} MiB: re-planning for {target:.1f} MiB.")
+        floor_mb = None
         try:
             plan = self._plan(target, sample=self._sample)
         except BudgetError:
@@ -527,13 +528,6 @@ class Planner(keras.callbacks.Callback):
             # error's minimum is measured: planning at it may rewrite nothing.)
             floor_mb = self._predicted_floor_mb()
             plan = self._plan(floor_mb, sample=self._sample)
-            warnings.warn(
-                f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
-                f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "
-                f"predicted at {target:.1f} MiB, but the lowest reachable prediction is "
-                f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
-                "exceeded. Lower the batch size or raise the budget.",
-                RuntimeWarning, stacklevel=2)
         if self._stats:
             # The trials' steps are not training steps: the epoch's peak keeps the
             # steps before them (`_epoch_peak_mb`), not the trials (a step without a
@@ -547,6 +541,14 @@ class Planner(keras.callbacks.Callback):
                 "lowest the planner reaches: training goes on with it. Lower the batch "
                 "size or raise the budget.", RuntimeWarning, stacklevel=2)
             return
+        if floor_mb is not None:
+            warnings.warn(
+                f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
+                f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "
+                f"predicted at {target:.1f} MiB, but the lowest reachable prediction is "
+                f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
+                "exceeded. Lower the batch size or raise the budget.",
+                RuntimeWarning, stacklevel=2)
         self.replans += 1
         self._install(plan)
 
