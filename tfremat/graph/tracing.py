@@ -378,11 +378,15 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     for y in candidates:
         started = time.perf_counter()
         try:
-            # The compiled loss and metrics the step builds are copies: built in
-            # a graph that never runs, the user's would keep uninitialised
-            # variables (a dict of losses' trackers).
-            with recorder.installed(), stand_ins(model, optimizer=False):
-                concrete = tf.function(recorded_step).get_concrete_function(x_spec, y)
+            # The compiled loss and metrics the step would build are copies,
+            # built here as fit builds them: built in the traced graph, which
+            # never runs, the user's would keep uninitialised variables (a dict
+            # of losses' trackers), and a step that builds traces twice.
+            with stand_ins(model, optimizer=False) as replaced:
+                if replaced:
+                    model._symbolic_build(data_batch=(x_spec, y))
+                with recorder.installed():
+                    concrete = tf.function(recorded_step).get_concrete_function(x_spec, y)
         except TRACE_ERRORS as e:
             error = e
             continue
