@@ -87,16 +87,16 @@ def test_a_hand_made_plan_for_other_names_is_refused_with_the_way_out():
 def test_a_plan_for_another_structure_is_not_renamed():
     """Renaming is by position, only for the same classes, edges and order:
     one more layer, or another class at a position, is still refused."""
-    def build(width: int, second: type = keras.layers.Dense) -> keras.Model:
+    def build(width: int, head: keras.layers.Layer | None = None) -> keras.Model:
         inp = keras.Input((4,))
         x = inp
         for _ in range(width):
             x = keras.layers.Dense(3)(x)
-        return keras.Model(inp, second(2)(x))
+        return keras.Model(inp, (head or keras.layers.Dense(2))(x))
 
     first = build(2)
     plan = Plan.from_segments(structure_graph(first), [h.body_ids(first)[:1]])
-    for other in (build(3), build(2, lambda n: keras.layers.Reshape((3,)))):
+    for other in (build(3), build(2, keras.layers.Reshape((3,)))):
         with pytest.raises(PlanMismatchError, match="Plan again for this model"):
             rewrite_model(other, plan)
 
