@@ -42,6 +42,21 @@ def test_plan_writes_the_memory_timeline(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_measure_measures_the_plans_it_chooses_from(tmp_path, capsys):
+    inp = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(x), name="tiny")
+    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    path = str(tmp_path / "tiny.keras")
+    model.save(path)
+    assert cli.main(["plan", path, "--budget-mb", "1000", "--batch-size", "4",
+                     "--measure"]) == 0
+    out = capsys.readouterr().out
+    measured = next(line for line in out.splitlines() if line.startswith("Measured peak:"))
+    assert "MiB on the device" in measured and "not measured" not in out
+
+
 def test_version_is_printed(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])

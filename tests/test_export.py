@@ -96,6 +96,12 @@ def test_summary_of_an_empty_plan_says_nothing_to_do():
     assert "the step fits as it is" in export.summary(g, Plan.from_segments(g, []))
 
 
+def test_summary_of_a_plan_with_updates_only_says_nothing_is_recomputed():
+    g = chain(4)
+    text = export.summary(g, Plan.from_segments(g, [], update_in_backward=True))
+    assert "Nothing to recompute or offload." in text and "fits as it is" not in text
+
+
 def test_plan_methods_use_the_graph_they_carry(capsys):
     g, plan = plan_for_chain()
     with pytest.raises(ValueError, match="carries no PlanGraph"):

@@ -13,7 +13,7 @@ import pytest
 import tfremat
 from tfremat import api
 from tfremat.core import MIB, BudgetError
-from tfremat.planners import every_unit_segments, make_plan
+from tfremat.planners import chen_sqrt, every_unit_segments, make_plan
 
 from tests.planners import graphs as G
 
@@ -442,7 +442,7 @@ def test_when_the_lowest_plan_measures_over_every_unit_on_its_own_is_tried(
         return make_plan(graph, b, planner="approx-dp", objective=objective)
 
     chosen = api.measured_choice(None, make(budget), make, unplanned=bare_for(graph),
-                                 every_unit=lambda like: api.every_unit_like(graph, like))
+                                 fixed=lambda like: api.fixed_plans(graph, like))
     tried = FakeInstallation.measured
     # The first plan, then the lowest (last resorts come in that order), then it.
     assert len(tried) == 3 and chosen is tried[-1] and chosen.planner == "every-unit"
@@ -465,12 +465,56 @@ def test_a_refused_budget_is_met_by_every_unit_on_its_own_when_that_measures_und
     with pytest.raises(BudgetError) as predicted:
         make(budget)
     chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph),
-                                every_unit=lambda like: api.every_unit_like(graph, like))
+                                fixed=lambda like: api.fixed_plans(graph, like))
     # The lowest plan, the plans near it (all measured over), then every unit.
     planners = [p.planner for p in FakeInstallation.measured]
     assert planners[-1] == "every-unit" and set(planners[:-1]) == {"approx-dp"}
     assert FakeInstallation.measured[0].peak_bytes == floor
     assert chosen.planner == "every-unit" and chosen.budget_bytes == budget
+
+
+class SqrtMeasuresLower(FakeInstallation):
+    """Every plan measures over the budget but sqrt(n) segments, at 0.8x: VGG19 (96
+    px, batch 16) on an AMD EPYC, where the simulator predicted every plan at the
+    plain peak (683.3 MiB), the plain step measured 645.6 and sqrt(n) 461.6."""
+
+    budget = 0
+
+    def measure_peak(self, **kwargs):
+        FakeInstallation.measured.append(self.plan)
+        return int(self.budget * (0.8 if self.plan.planner == "chen-sqrt" else 1.2))
+
+
+def test_sqrt_n_segments_are_measured_when_the_prediction_sees_no_plan_lowering_the_peak(
+        monkeypatch):
+    FakeInstallation.measured = []
+    monkeypatch.setattr(api, "PlanInstallation", SqrtMeasuresLower)
+    graph = G.chain(16)
+    plain = tfremat.simulate(graph).peak_bytes
+    budget = SqrtMeasuresLower.budget = int(plain * 0.7)
+
+    def make(b, objective="time"):  # a planner that finds nothing below the plain peak
+        if b < plain:
+            raise BudgetError(b, plain, "none-lower")
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    with pytest.raises(BudgetError) as predicted:
+        make(budget)
+    chosen = api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph),
+                                fixed=lambda like: api.fixed_plans(graph, like))
+    assert chosen.planner == "chen-sqrt" and chosen.budget_bytes == budget
+    assert chosen.segments == chen_sqrt(graph).segments
+    assert [p.planner for p in FakeInstallation.measured][-1] == "chen-sqrt"
+    assert chosen.estimates.details["measured_peak_bytes"] == int(budget * 0.8)
+
+
+def test_fixed_plans_are_every_unit_then_sqrt_n_with_the_plans_updates():
+    graph = G.subclassed_blocks()
+    like = make_plan(graph, 10**12, planner="chen-greedy", update_in_backward=True)
+    by_unit, sqrt_n = api.fixed_plans(graph, like)
+    assert (by_unit.planner, sqrt_n.planner) == ("every-unit", "chen-sqrt")
+    assert sqrt_n.segments == chen_sqrt(graph).segments and sqrt_n.update_in_backward
+    assert sqrt_n.peak_bytes == tfremat.simulate(graph, sqrt_n).peak_bytes
 
 
 class LowestMeasuresHighest(FakeInstallation):

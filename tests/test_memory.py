@@ -244,6 +244,26 @@ def test_unbuilt_model_is_refused_and_stays_unbuilt():
     assert not model.built and not model.optimizer.built
 
 
+class BrokenStep(keras.Model):
+    def train_step(self, data):
+        x, y = data
+        raise TypeError(f"broken step for targets of rank {len(y.shape)}")
+
+
+def test_a_step_no_target_traces_with_names_the_error_of_each_kind_of_target():
+    inputs = keras.Input((8,))
+    model = BrokenStep(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tfremat.UnsupportedModelError) as caught:
+        tfremat.measure_peak(model, batch_size=4)
+    # Each kind's own error: the step's for float targets, the loss's for labels.
+    each = (r"(?s)with output-shaped float targets:.*broken step for targets of rank 2"
+            r".*\n- with sparse integer targets: .*mse.*\nPass sample=\(x, y\)")
+    assert caught.match(each)
+    with pytest.raises(tfremat.UnsupportedModelError, match=each):
+        tfremat.extract(model, batch_size=4)
+
+
 class FailsOnSecondCall(keras.layers.Layer):
     """Raises at run time in the second training step."""
 

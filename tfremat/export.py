@@ -243,6 +243,8 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     ]
     if plan.is_empty:
         lines.append("Nothing to recompute: the step fits as it is.")
+    elif not (plan.segments or plan.offloaded):
+        lines.append("Nothing to recompute or offload.")
     for i, seg in enumerate(plan.segments):
         dropped = _dropped_bytes(graph, seg)
         nested = f", {len(seg.children)} nested" if seg.children else ""

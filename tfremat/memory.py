@@ -292,7 +292,7 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
 def _trace_and_measure(model: keras.Model, x: Any, x_spec: Any, given: Any,
                        candidates: list[Any], jit: bool, repeats: int) -> MeasuredPeak:
     """Traces the step for the first target spec that works and measures it."""
-    error: Exception | None = None
+    errors: list[Exception] = []
     for y_spec in candidates:
         y = given[1] if given else synthetic_batch(y_spec, 2)
         # Each target spec gets its own copies and tf.function: a failed trace
@@ -307,8 +307,8 @@ def _trace_and_measure(model: keras.Model, x: Any, x_spec: Any, given: Any,
             except UnsupportedModelError:
                 raise
             except TRACE_ERRORS as e:
-                error = e
+                errors.append(e)
                 continue
             with _creating_no_variables(model):
                 return _measure_traced(step, concrete, model, x, y, repeats)
-    raise untraceable(model, error) from error
+    raise untraceable(model, errors) from errors[-1]

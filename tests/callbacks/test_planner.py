@@ -42,10 +42,10 @@ def plain_fit_peak(x, y) -> float:
     return watch.epoch_peaks_mb[-1]
 
 
-def predicted_range_mb() -> tuple[float, float]:
+def predicted_range_mb(batch: int = BATCH) -> tuple[float, float]:
     """The lowest peak a plan reaches for `make_model()` and its plain peak, as
-    the simulator predicts them."""
-    graph = tfremat.extract(make_model(), batch_size=BATCH)
+    the simulator predicts them (at `batch`)."""
+    graph = tfremat.extract(make_model(), batch_size=batch)
     with pytest.raises(tfremat.BudgetError) as err:
         tfremat.plan(make_model(), 1.0, graph=graph)
     return err.value.min_budget_mb, tfremat.simulate(graph).peak_mb
@@ -212,7 +212,7 @@ def test_csv_logger_records_the_peaks(budget_mb, tmp_path):
     assert "peak_memory_mb" in header and "predicted_peak_mb" in header
 
 
-def test_mirrored_strategy_on_two_logical_cpus(budget_mb):
+def test_mirrored_strategy_on_two_logical_cpus():
     """The budget is per replica, and the plan is made for one replica's batch.
 
     The two logical CPUs share ONE allocator (tests/conftest.py), so the measured
@@ -222,6 +222,8 @@ def test_mirrored_strategy_on_two_logical_cpus(budget_mb):
     the global batch, and training matches plain training.
     """
     x, y = data()
+    lowest, plain_predicted = predicted_range_mb(BATCH // 2)
+    budget_mb = (lowest + plain_predicted) / 2  # binds for one replica's batch
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         plain = make_model()
@@ -236,6 +238,28 @@ def test_mirrored_strategy_on_two_logical_cpus(budget_mb):
     np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-4)
 
 
+@pytest.mark.parametrize("each", [0.9, 1.2])
+def test_replicas_sharing_one_allocator_are_judged_against_their_budgets_together(
+        monkeypatch, each):
+    """Two logical CPUs share CPU:0's allocator: its peak is both replicas' steps,
+    over a per-device budget although each may fit (a user's MirroredStrategy
+    model re-planned for 51.9 MiB against a budget of 97). When their sum is over
+    both budgets together, one of them is over its own."""
+    x, y = data(3)
+    light = light_budget_mb()
+    monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 2 * each * light)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = make_model()
+    planner = tfremat.Planner(light, verbose=0, measure=False, max_replans=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[planner])
+    over = [w for w in caught if "exceeds the budget of 2 x" in str(w.message)]
+    assert planner.replans == (0 if each < 1 else 1)
+    assert bool(over) == (each > 1)
+
+
 def test_planning_inside_a_mirrored_scope_says_to_plan_outside_it():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
@@ -246,6 +270,21 @@ def test_planning_inside_a_mirrored_scope_says_to_plan_outside_it():
     # Outside the scope, the same model plans for one replica's batch.
     plan = tfremat.plan(model, 1e6, batch_size=BATCH // 2)
     assert plan.graph.metadata["batch_shape"] == [[BATCH // 2, 48, 48, 3]]
+
+
+def test_a_model_made_in_a_mirrored_scope_is_measured_outside_it_and_then_fits_as_before():
+    """measure_peak's stand-in optimizer used to be made outside the model's
+    strategy and failed on its MirroredVariables ("tuple indices must be integers
+    or slices, not MirroredVariable")."""
+    x, y = data(2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        twin, model = make_model(), make_model()
+    assert tfremat.measure_peak(model, batch_size=BATCH // 2) > 0
+    assert not model.optimizer.built
+    fits = [m.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+            for m in (twin, model)]
+    assert fits[1].history["loss"] == fits[0].history["loss"]
 
 
 def test_an_excess_above_the_whole_budget_ends_in_the_best_effort_plan(monkeypatch):

@@ -184,6 +184,7 @@ class Planner(keras.callbacks.Callback):
         self._validated = False  # fit's validation ran this epoch
         self._sample: Any = None  # one device's share of the first batch, for measuring
         self._summary_writer: Any = None  # a TensorBoard callback's train run
+        self._sharing = 1  # replicas whose steps the measured allocator holds
 
     # -- wiring fit's events ---------------------------------------------------
 
@@ -204,6 +205,7 @@ class Planner(keras.callbacks.Callback):
                 f"in the logs, no re-planning). {NO_STATS_HINT}",
                 RuntimeWarning, stacklevel=2)
         self._fit = self.model.history  # Keras makes a History for each fit
+        self._sharing = _replicas_sharing(self.model.distribute_strategy, self.device)
         self._own_train_function = self.model.train_function
         self.model.train_function = self._train_step
         board = next((c for c in self._fit_callbacks()
@@ -249,7 +251,9 @@ class Planner(keras.callbacks.Callback):
             tf.config.experimental.reset_memory_stats(self.device)
             return
         self.plan_peak_mb = max(self.plan_peak_mb or 0.0, peak)
-        if peak > self.budget_mb and self._measuring:
+        # Replicas sharing the allocator measure together: when their sum is over
+        # their budgets' sum, one of them is over its own.
+        if peak > self.budget_mb * self._sharing and self._measuring:
             self._over_budget(peak)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -505,21 +509,23 @@ class Planner(keras.callbacks.Callback):
         return tf.config.experimental.get_memory_info(self.device)["peak"] / MIB
 
     def _over_budget(self, peak_mb: float) -> None:
+        budget = (f"{self.budget_mb:.1f} MiB" if self._sharing == 1 else
+                  f"{self._sharing} x {self.budget_mb:.1f} MiB (its allocator holds "
+                  f"{self._sharing} replicas)")
+        over = f"the measured peak {peak_mb:.1f} MiB on {self.device} exceeds the budget of {budget}"
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
             warnings.warn(
-                f"tfremat: the measured peak {peak_mb:.1f} MiB on {self.device} exceeds the "
-                f"budget of {self.budget_mb:.1f} MiB after {self.replans} re-plan(s). "
+                f"tfremat: {over} after {self.replans} re-plan(s). "
                 "Lower the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
             return
-        excess = peak_mb - self.predicted_peak_mb
+        excess = peak_mb / self._sharing - self.predicted_peak_mb
         # An excess above the budget itself leaves no budget to plan for: ask for
         # 1% of it, which ends in the best-effort plan below.
         target = max(self.budget_mb - max(excess, 0.05 * self.budget_mb),
                      0.01 * self.budget_mb)
         if self.verbose:
-            io_utils.print_msg(f"tfremat: measured {peak_mb:.1f} MiB > budget "
-                               f"{self.budget_mb:.1f} MiB: re-planning for {target:.1f} MiB.")
+            io_utils.print_msg(f"tfremat: {over}: re-planning for {target:.1f} MiB.")
         floor_mb = None
         try:
             plan = self._plan(target, sample=self._sample)
@@ -536,15 +542,13 @@ class Planner(keras.callbacks.Callback):
         if _same_rewrite(plan, self.plan):
             self._measuring = False
             warnings.warn(
-                f"tfremat: the measured peak {peak_mb:.1f} MiB on {self.device} exceeds the "
-                f"budget of {self.budget_mb:.1f} MiB, and the plan in use is already the "
+                f"tfremat: {over}, and the plan in use is already the "
                 "lowest the planner reaches: training goes on with it. Lower the batch "
                 "size or raise the budget.", RuntimeWarning, stacklevel=2)
             return
         if floor_mb is not None:
             warnings.warn(
-                f"tfremat: the measured peak {peak_mb:.1f} MiB exceeds the budget of "
-                f"{self.budget_mb:.1f} MiB. Absorbing the measured excess needs a plan "
+                f"tfremat: {over}. Absorbing the measured excess needs a plan "
                 f"predicted at {target:.1f} MiB, but the lowest reachable prediction is "
                 f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
                 "exceeded. Lower the batch size or raise the budget.",
@@ -559,6 +563,16 @@ class Planner(keras.callbacks.Callback):
             return self._plan(1 / MIB).peak_bytes / MIB  # a budget of one byte
         except BudgetError as e:
             return e.min_budget_mb
+
+
+def _replicas_sharing(strategy: tf.distribute.Strategy, device: str) -> int:
+    """How many of `strategy`'s local replicas run on `device`'s allocator: the
+    replicas on CPUs when `device` is a CPU (logical CPU devices share the
+    process's allocator), else 1 (each GPU has its own)."""
+    if not device.startswith("CPU") or strategy.num_replicas_in_sync == 1:
+        return 1
+    devices = strategy.extended.worker_devices
+    return max(1, sum(1 for d in devices if tf.DeviceSpec.from_string(d).device_type == "CPU"))
 
 
 def _same_rewrite(a: Plan, b: Plan | None) -> bool:

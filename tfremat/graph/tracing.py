@@ -157,11 +157,21 @@ def _fix_batch(spec: Any, batch_size: int | None, where: str) -> Any:
 TRACE_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
 
 
-def untraceable(model: keras.Model, error: Exception | None) -> UnsupportedModelError:
-    """The error for a step no target spec traces with."""
+def untraceable(model: keras.Model, errors: list[Exception]) -> UnsupportedModelError:
+    """The error for a step no target spec traces with; `errors`, the error of
+    each spec tried, in order (see `target_candidates`)."""
+    hint = "Pass sample=(x, y) with a real batch so the targets' shape is known."
+    if len(errors) == 1:
+        return UnsupportedModelError(
+            f"Could not trace a training step of {model.name!r}: {errors[0]}. {hint}")
+    tried = "\n".join(f"- with {kind} targets: {e}" for kind, e in zip(_TARGET_KINDS, errors))
     return UnsupportedModelError(
-        f"Could not trace a training step of {model.name!r}: {error}. Pass "
-        "sample=(x, y) with a real batch so the targets' shape is known.")
+        f"Could not trace a training step of {model.name!r} with any kind of target "
+        f"tried:\n{tried}\n{hint}")
+
+
+#: What each spec of `target_candidates` is, in its order.
+_TARGET_KINDS = ("output-shaped float", "sparse integer")
 
 
 def target_candidates(model: keras.Model, x_spec: Any) -> list[Any]:
@@ -368,7 +378,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     replicas = (tf.distribute.get_strategy().num_replicas_in_sync
                 if tf.distribute.in_cross_replica_context() else 1)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
-    error: Exception | None = None
+    errors: list[Exception] = []
     recorder = _Recorder(sites_by_op, ops_of)
 
     def recorded_step(x: Any, y: Any) -> Any:
@@ -388,12 +398,12 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
                 with recorder.installed():
                     concrete = tf.function(recorded_step).get_concrete_function(x_spec, y)
         except TRACE_ERRORS as e:
-            error = e
+            errors.append(e)
             continue
         seconds = time.perf_counter() - started
         break
     else:
-        raise untraceable(model, error) from error
+        raise untraceable(model, errors) from errors[-1]
     if recorder.graph is not concrete.graph:
         raise UnsupportedModelError(
             f"The traced step of {model.name!r} is not the graph its layer calls were "

@@ -45,7 +45,9 @@ def stand_ins(model: keras.Model, *, optimizer: bool = True) -> Iterator[bool]:
     (as `compile` assigns them, without tracking), and the originals go back on
     exit. Whoever runs the step builds the copies; the originals stay unbuilt.
     Built state is not copied. The copies are made as Keras 3's `compile` makes
-    them (from `_compile_loss` and `_compile_metrics`).
+    them (from `_compile_loss` and `_compile_metrics`), in the scope of the
+    `tf.distribute` strategy the model was made in (an optimizer copied outside
+    it would update `MirroredVariable`s through the default strategy).
 
     Args:
         model: A Keras model, compiled or not (nothing is replaced if not).
@@ -60,19 +62,10 @@ def stand_ins(model: keras.Model, *, optimizer: bool = True) -> Iterator[bool]:
         UnsupportedModelError: the unbuilt optimizer does not copy.
     """
     replacements: dict[str, Any] = {}
-    if getattr(model, "optimizer", None) is not None and model.compiled:
-        if optimizer and not model.optimizer.built:
-            replacements["optimizer"] = fresh_optimizer(model.optimizer)
-        loss = model._compile_loss
-        if loss is not None and not loss.built:
-            replacements["_compile_loss"] = type(loss)(
-                loss._user_loss, loss._user_loss_weights, reduction=loss.reduction,
-                output_names=loss.output_names)
-        metrics = model._compile_metrics
-        if metrics is not None and not metrics.built:
-            replacements["_compile_metrics"] = type(metrics)(
-                metrics._user_metrics, metrics._user_weighted_metrics,
-                output_names=metrics.output_names)
+    strategy = getattr(model, "distribute_strategy", None)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        if getattr(model, "optimizer", None) is not None and model.compiled:
+            replacements = _copies(model, optimizer)
     originals = {name: getattr(model, name) for name in replacements}
     try:
         for name, value in replacements.items():
@@ -81,3 +74,22 @@ def stand_ins(model: keras.Model, *, optimizer: bool = True) -> Iterator[bool]:
     finally:
         for name, value in originals.items():
             object.__setattr__(model, name, value)
+
+
+def _copies(model: keras.Model, optimizer: bool) -> dict[str, Any]:
+    """Unbuilt copies of the compiled model's unbuilt training state, by the
+    name of the model's attribute each replaces (see `stand_ins`)."""
+    replacements: dict[str, Any] = {}
+    if optimizer and not model.optimizer.built:
+        replacements["optimizer"] = fresh_optimizer(model.optimizer)
+    loss = model._compile_loss
+    if loss is not None and not loss.built:
+        replacements["_compile_loss"] = type(loss)(
+            loss._user_loss, loss._user_loss_weights, reduction=loss.reduction,
+            output_names=loss.output_names)
+    metrics = model._compile_metrics
+    if metrics is not None and not metrics.built:
+        replacements["_compile_metrics"] = type(metrics)(
+            metrics._user_metrics, metrics._user_weighted_metrics,
+            output_names=metrics.output_names)
+    return replacements
