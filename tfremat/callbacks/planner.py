@@ -512,7 +512,8 @@ class Planner(keras.callbacks.Callback):
         budget = (f"{self.budget_mb:.1f} MiB" if self._sharing == 1 else
                   f"{self._sharing} x {self.budget_mb:.1f} MiB (its allocator holds "
                   f"{self._sharing} replicas)")
-        over = f"the measured peak {peak_mb:.1f} MiB on {self.device} exceeds the budget of {budget}"
+        over = (f"the measured peak {peak_mb:.1f} MiB on {self.device} exceeds the "
+                f"budget of {budget}")
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
             warnings.warn(
