@@ -7,14 +7,21 @@ import tfremat
 from tfremat import cli
 
 
-def test_estimate_on_a_saved_model(tmp_path, capsys):
+def tiny_model_file(tmp_path, *, compiled: bool = True) -> str:
+    """A small CNN named "tiny" saved as `.keras`, compiled or not."""
     inp = keras.Input((16, 16, 3))
     x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
     x = keras.layers.GlobalAveragePooling2D()(x)
     model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(x), name="tiny")
-    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    if compiled:
+        model.compile(optimizer="sgd", loss="categorical_crossentropy")
     path = str(tmp_path / "tiny.keras")
     model.save(path)
+    return path
+
+
+def test_estimate_on_a_saved_model(tmp_path, capsys):
+    path = tiny_model_file(tmp_path)
     assert cli.main(["estimate", path, "--batch-size", "4", "--measure"]) == 0
     out = capsys.readouterr().out
     assert "tiny: one training step, batch 4" in out and "measured on CPU:0" in out
@@ -29,12 +36,7 @@ def test_unknown_model_is_a_clear_error(capsys):
 
 
 def test_plan_writes_the_memory_timeline(tmp_path, capsys):
-    inp = keras.Input((16, 16, 3))
-    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(x), name="tiny")
-    path = str(tmp_path / "tiny.keras")
-    model.save(path)
+    path = tiny_model_file(tmp_path, compiled=False)
     plot = tmp_path / "memory.png"
     assert cli.main(["plan", path, "--budget-mb", "1000", "--batch-size", "4",
                      "--plot", str(plot)]) == 0
@@ -43,13 +45,7 @@ def test_plan_writes_the_memory_timeline(tmp_path, capsys):
 
 
 def test_plan_measure_measures_the_plans_it_chooses_from(tmp_path, capsys):
-    inp = keras.Input((16, 16, 3))
-    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(x), name="tiny")
-    model.compile(optimizer="sgd", loss="categorical_crossentropy")
-    path = str(tmp_path / "tiny.keras")
-    model.save(path)
+    path = tiny_model_file(tmp_path)
     assert cli.main(["plan", path, "--budget-mb", "1000", "--batch-size", "4",
                      "--measure"]) == 0
     out = capsys.readouterr().out

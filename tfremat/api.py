@@ -415,14 +415,21 @@ def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
             f"{trial['measured_bytes'] / MIB:.1f} MiB")
 
 
+def _resegmented(graph: PlanGraph, like: Plan, planner: str, segments: list[Segment],
+                 note: str) -> Plan:
+    """`like` with `segments` instead of its own and no offloads (its updates and
+    order kept), labelled `planner`, predicted for `graph`."""
+    plan = dataclasses.replace(like, planner=planner, segments=segments, offloaded=[],
+                               estimates=None)
+    plan.estimates = simulate(graph, plan).plan_estimate(note=note)
+    return plan
+
+
 def unplanned(graph: PlanGraph, like: Plan) -> Plan:
     """`like` without segments or offloads (its updates and order kept),
     predicted for `graph`: the step as it runs without recomputation."""
-    bare = dataclasses.replace(like, planner="none", segments=[], offloaded=[],
-                               estimates=None)
-    bare.estimates = simulate(graph, bare).plan_estimate(
-        note="No recomputation or offload: no plan measured lower.")
-    return bare
+    return _resegmented(graph, like, "none", [],
+                        "No recomputation or offload: no plan measured lower.")
 
 
 def every_unit_like(graph: PlanGraph, like: Plan) -> Plan | None:
@@ -435,12 +442,9 @@ def every_unit_like(graph: PlanGraph, like: Plan) -> Plan | None:
     segments = every_unit_segments(graph)
     if not segments:
         return None
-    plan = dataclasses.replace(like, planner="every-unit",
-                               segments=[Segment(s) for s in segments], offloaded=[],
-                               estimates=None)
-    plan.estimates = simulate(graph, plan).plan_estimate(
-        note="Every unit recomputed on its own: a last resort when the plan of lowest "
-             "predicted peak measured over the budget.")
+    plan = _resegmented(graph, like, "every-unit", [Segment(s) for s in segments],
+                        "Every unit recomputed on its own: a last resort when the plan "
+                        "of lowest predicted peak measured over the budget.")
     if plan.peak_bytes >= unplanned(graph, like).peak_bytes:
         return None
     return plan
@@ -461,12 +465,9 @@ def sqrt_like(graph: PlanGraph, like: Plan) -> Plan | None:
     segments = chen_sqrt(graph).segments
     if not segments:
         return None
-    plan = dataclasses.replace(like, planner="chen-sqrt", segments=list(segments),
-                               offloaded=[], estimates=None)
-    plan.estimates = simulate(graph, plan).plan_estimate(
-        note="Chen et al.'s sqrt(n) segments: a last resort when the plan of lowest "
-             "predicted peak measured over the budget.")
-    return plan
+    return _resegmented(graph, like, "chen-sqrt", list(segments),
+                        "Chen et al.'s sqrt(n) segments: a last resort when the plan of "
+                        "lowest predicted peak measured over the budget.")
 
 
 def fixed_plans(graph: PlanGraph, like: Plan) -> list[Plan]:
