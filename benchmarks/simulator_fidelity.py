@@ -3,7 +3,7 @@
 Each model runs in a fresh subprocess so that nothing else sits in the
 allocator. Prints a markdown table and writes benchmarks/results/simulator_fidelity.md.
 
-    python benchmarks/simulator_fidelity.py            # the default set
+    python benchmarks/simulator_fidelity.py            # the default set, a model per family
     python benchmarks/simulator_fidelity.py ResNet50:96:16
 """
 
@@ -20,6 +20,11 @@ from planners import machine  # noqa: E402
 
 CASES = ["ResNet50:96:16", "ResNet50:128:16", "DenseNet121:96:16", "MobileNetV2:128:16",
          "VGG19:96:8", "InceptionV3:139:8", "EfficientNetB0:96:16"]
+#: One model of each other keras.applications family (issue #12: validate on
+#: every family, not only the benchmarks').
+FAMILIES = ["ConvNeXtTiny:96:16", "EfficientNetV2B0:96:16", "InceptionResNetV2:96:16",
+            "MobileNet:96:16", "MobileNetV3Small:96:16", "NASNetMobile:96:16",
+            "ResNet50V2:96:16", "Xception:96:16"]
 TIMING_MODELS = ["ResNet50:96:16", "ResNet152:96:16"]
 
 
@@ -55,7 +60,7 @@ def main(argv: list[str]) -> None:
         return
     cases = argv or CASES
     rows = []
-    for case in dict.fromkeys(cases + TIMING_MODELS if not argv else cases):
+    for case in dict.fromkeys(cases + FAMILIES + TIMING_MODELS if not argv else cases):
         out = subprocess.run([sys.executable, __file__, "--one", case], capture_output=True,
                              text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
         if out.returncode:

@@ -264,6 +264,24 @@ def test_a_step_no_target_traces_with_names_the_error_of_each_kind_of_target():
         tfremat.extract(model, batch_size=4)
 
 
+class AlwaysBrokenStep(keras.Model):
+    def train_step(self, data):
+        raise ValueError("'update_dense@0' is not a valid scope name")
+
+
+def test_an_error_whatever_the_targets_is_given_once_without_the_targets_hint():
+    inputs = keras.Input((8,))
+    model = AlwaysBrokenStep(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tfremat.UnsupportedModelError) as caught:
+        tfremat.measure_peak(model, batch_size=4)
+    message = str(caught.value)
+    assert "is not a valid scope name" in message
+    # Not the sparse labels' loss error, nor a hint about targets.
+    assert "sample=" not in message and "targets" not in message, message
+    assert "Dimensions must be equal" not in message, message
+
+
 class FailsOnSecondCall(keras.layers.Layer):
     """Raises at run time in the second training step."""
 

@@ -145,3 +145,82 @@ def test_scratch_of_sibling_kernels_adds_up_where_cpu_runs_them_side_by_side():
     # Counted one kernel at a time, the prediction misses a whole 32 MiB scratch.
     assert facts["apart"] < 0.85 * low, facts
     assert 0.9 * low <= facts["together"] <= 1.1 * high, facts
+
+
+# Small 1x1 convolutions (each gradient's tensors under 1 MiB, the size below
+# which other ops are not measured) at 12x12 pixels, as in MobileNetV3's
+# late blocks.
+_SMALL_CONVOLUTIONS = r"""
+import json
+import keras
+from tfremat import measure_peak, simulate
+from tfremat.graph import extract, trace
+from tfremat.graph.kernels import MIN_OP_BYTES, measure_kernel_workspaces
+
+keras.utils.set_random_seed(0)
+inp = keras.Input((12, 12, 24))
+x = inp
+for _ in range(3):
+    y = keras.layers.Conv2D(88, 1, activation="relu")(x)
+    x = keras.layers.Add()([x, keras.layers.Conv2D(24, 1)(y)])
+out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x))
+model = keras.Model(inp, out)
+model.compile(optimizer="sgd", loss="categorical_crossentropy")
+traced = trace(model, batch_size=16)
+scratch = measure_kernel_workspaces(traced.ops)
+gradients = []
+for i, op in enumerate(traced.ops):
+    if op.type in ("Conv2DBackpropInput", "Conv2DBackpropFilter"):
+        size = sum(t.shape.num_elements() * t.dtype.size
+                   for t in list(op.inputs) + list(op.outputs))
+        gradients.append((size, scratch.bytes_by_op.get(i, 0)))
+print(json.dumps({"gradients": gradients, "min_op_bytes": MIN_OP_BYTES,
+                  "predicted": simulate(extract(model, batch_size=16)).peak_bytes,
+                  "unmeasured": simulate(extract(model, batch_size=16,
+                                                 measure_kernels=False)).peak_bytes,
+                  "measured": measure_peak(model, batch_size=16, repeats=10)}))
+"""
+
+
+def test_small_convolution_gradients_are_measured_for_their_cache_sized_buffers():
+    facts = run_fresh(_SMALL_CONVOLUTIONS, **EIGEN_BFC)
+    small = [(size, b) for size, b in facts["gradients"] if size < facts["min_op_bytes"]]
+    assert small, facts
+    # TensorFlow's CPU kernels size their im2col buffer by the L3 cache: far
+    # more than the tensors (20.9 MiB asked for on a 32 MiB L3).
+    assert all(b > 4 * size for size, b in small), facts
+    assert facts["unmeasured"] < facts["measured"] / 2, facts
+    assert abs(facts["predicted"] / facts["measured"] - 1) < 0.10, facts
+
+
+# A grouped convolution (ConvNeXt's depthwise Conv2D(groups=channels)): Keras
+# runs it in a function that XLA must compile, whose gradient XLA's CPU
+# backend makes dense over the channels (a 7x7x256x256 kernel, 12.25 MiB).
+_GROUPED = r"""
+import json
+import keras
+from tfremat import measure_peak, simulate
+from tfremat.graph import extract
+
+keras.utils.set_random_seed(0)
+inp = keras.Input((3, 3, 256))
+x = keras.layers.Conv2D(256, 7, padding="same", groups=256, name="grouped")(inp)
+x = keras.layers.Dense(256)(x)
+out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x))
+model = keras.Model(inp, out)
+model.compile(optimizer="sgd", loss="categorical_crossentropy")
+counted = extract(model, batch_size=16)
+bare = extract(model, batch_size=16, measure_kernels=False)
+print(json.dumps({
+    "scratch": [n.backward_workspace_bytes for n in counted if n.id == "grouped"][0],
+    "bare": [n.backward_workspace_bytes for n in bare if n.id == "grouped"][0],
+    "predicted": simulate(counted).peak_bytes,
+    "measured": measure_peak(model, batch_size=16, repeats=10)}))
+"""
+
+
+def test_xla_compiled_grouped_convolution_gradient_scratch_is_measured():
+    facts = run_fresh(_GROUPED, **EIGEN_BFC)
+    dense_kernel = 7 * 7 * 256 * 256 * 4
+    assert facts["scratch"] >= dense_kernel > 10 * facts["bare"], facts
+    assert abs(facts["predicted"] / facts["measured"] - 1) < 0.10, facts

@@ -78,6 +78,17 @@ def test_auto_budget_error_carries_the_minimum_across_planners():
     assert minimum < min_feasible_budget(graph, "chen-greedy")
 
 
+def test_auto_budget_error_names_the_shared_layers_that_limit_it():
+    graph = G.shared_layers()
+    with pytest.raises(BudgetError, match=r"called more than once \(") as info:
+        make_plan(graph, min_feasible_budget(graph) - 1)
+    shared = {n.layer for n in graph.nodes if sum(m.layer == n.layer for m in graph.nodes) > 1}
+    assert shared and all(layer in str(info.value) for layer in sorted(shared)[:4])
+    with pytest.raises(BudgetError) as plain:
+        make_plan(G.chain(40), min_feasible_budget(G.chain(40)) - 1)
+    assert "called more than once" not in str(plain.value)
+
+
 @pytest.mark.parametrize("planner", sorted(PLANNERS))
 def test_min_feasible_budget_is_tight(planner):
     graph = G.resnet_like(4)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.rewriter.rewrite_helpers import (plan_for, residual_cnn, restore, snapshot,
-                                            sqrt_segments)
+from tests.rewriter.rewrite_helpers import (plan_for, residual_cnn, restore,
+                                            shared_layer_model, snapshot, sqrt_segments)
 from tfremat.rewriter import PlanInstallation, fallback_reason, rewrite_model
 
 REL_TOL = 1e-6
@@ -192,6 +192,39 @@ def test_a_rewritten_model_compiled_and_fit_as_usual_trains_as_plain():
         rewritten.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_same(weights, snapshot(model))
     assert_same(slots, [np.array(v.numpy()) for v in optimizer.variables])
+
+
+def test_a_layer_called_twice_trains_as_plain_with_the_others_updated_in_backward():
+    """A shared layer's calls (`shared@0`, `shared@1`) become units of their own
+    whose names must be valid Keras names (the rewrite crashed on the `@`);
+    the shared kernel gets its summed gradient once, after the backward pass."""
+    keras.utils.set_random_seed(0)
+    model = shared_layer_model()
+    start = snapshot(model)
+    rng = np.random.default_rng(0)
+    x = [rng.standard_normal((3 * BATCH, 8)).astype("float32") for _ in range(2)]
+    y = [rng.standard_normal((3 * BATCH, n)).astype("float32") for n in (2, 3)]
+
+    def fit(plan=None):
+        restore(model, start)
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+        model.compile(optimizer=optimizer, loss=["mse", "mse"])
+        optimizer.build(model.trainable_variables)
+        if plan is None:
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        else:
+            assert fallback_reason(model) is None
+            with PlanInstallation(model, plan), warnings.catch_warnings():
+                warnings.simplefilter("error")  # no fallback
+                model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        return snapshot(model), [np.array(v.numpy()) for v in optimizer.variables]
+
+    plan = updates_plan(model, segmented=False)
+    weights, slots = fit()
+    weights_b, slots_b = fit(plan)
+    assert any(not np.array_equal(a, b) for a, b in zip(start, weights)), "training moved"
+    assert_same(weights, weights_b)
+    assert_same(slots, slots_b)
 
 
 def test_own_weights_are_updated_inside_the_backward_pass():

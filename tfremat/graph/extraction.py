@@ -231,12 +231,31 @@ def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
         v = owner[i]
         if v not in _NOT_CALLS:
             carry[v] = max(carry.get(v, 0), pending if pending_owner != v else 0)
-        readers = [c for j in range(len(flow.ops[i].outputs))
-                   for c in flow.readers[flow.root[(i, j)]]]
-        if flow.scratch.get(i) and readers and all(
-                c not in bwd or owner[c] == v for c in readers):
+        if flow.scratch.get(i) and _off_the_chain(i, flow, owner, bwd):
             pending_owner, pending = v, flow.scratch[i]
     return carry
+
+
+def _off_the_chain(i: int, flow: _Dataflow, owner: list[str | None], bwd: range) -> bool:
+    """Whether op `i`'s outputs are read and reach no other node's backward,
+    directly or through ops of its own node (a filter gradient, read by its
+    node's cast and then the update; not a kernel that returns the input
+    gradient too, such as an XLA-compiled convolution's gradient, which its
+    node's `AddN` hands on)."""
+    v = owner[i]
+    todo, seen, read = [i], {i}, False
+    while todo:
+        op = todo.pop()
+        for j in range(len(flow.ops[op].outputs)):
+            for c in flow.readers[flow.root[(op, j)]]:
+                read = True
+                if c not in bwd or c in seen:
+                    continue
+                if owner[c] != v:
+                    return False
+                seen.add(c)
+                todo.append(c)
+    return read
 
 
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,

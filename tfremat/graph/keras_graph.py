@@ -157,10 +157,13 @@ def walk_with_outputs(model: Any) -> tuple[list[CallSite], list[str]]:
 
     refs: dict[int, str] = {}
     visit(functional, "", "", refs)
-    # The model's inputs first, as the extracted graph lists them: a second
-    # input read deep in the model would otherwise come later here, and the
-    # fingerprint follows the order.
-    sites = [s for s in sites if s.is_input] + [s for s in sites if not s.is_input]
+    # The model's inputs first, in the order of `model.inputs` (that of the
+    # step's batch, which the extracted graph pairs them with): the walk meets
+    # them in depth order, and the fingerprint follows the order.
+    position = {id(t): k for k, t in enumerate(functional.inputs)}
+    inputs = sorted((s for s in sites if s.is_input),
+                    key=lambda s: position.get(id(s.output_tensors[0]), len(position)))
+    sites = inputs + [s for s in sites if not s.is_input]
     return sites, [refs[id(t)] for t in functional.outputs]
 
 

@@ -12,7 +12,13 @@ the allocator: the peak while it runs minus what is in use once it returned
 
 Ops that cannot run alone are left out: stateful ops, ops on resources or
 variants, ops calling functions (loops, conditionals) and ops whose integer
-inputs (shapes, axes) are not constants of the graph.
+inputs (shapes, axes) are not constants of the graph. Calls of functions that
+XLA must compile are run, as one kernel: Keras compiles each grouped
+convolution (ConvNeXt's depthwise `Conv2D(groups=channels)`) with XLA, because
+TensorFlow's own kernels do not run it on CPU, and XLA's CPU backend turns the
+convolution's gradient into a dense one over all channels, whose scratch (220
+MiB for ConvNeXtTiny's last stage at batch 16) is larger than anything the graph
+shows.
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ from tensorflow.python.eager import context, execute
 
 from tfremat.backend import device_name, inter_op_threads, memory_stats_available
 
-#: Ops whose inputs and outputs together are smaller are not measured.
+#: Ops whose inputs and outputs together are smaller are not measured, except
+#: convolutions and XLA-compiled calls (Keras's grouped convolutions):
+#: TensorFlow's CPU convolution gradients size their im2col buffer by the L3
+#: cache, not by the tensors (a 1x1 `Conv2DBackpropInput` over 1 MiB of tensors
+#: allocates 20.9 MiB), and XLA's CPU backend makes a grouped convolution's
+#: gradient dense over the channels.
 MIN_OP_BYTES = 1 << 20
 
 #: Seconds spent measuring at most; ops left when it runs out count no scratch.
@@ -130,6 +141,26 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
                             time.perf_counter() - start)
 
 
+def _scratch_bytes(run: Any, device: str) -> int | None:
+    """Peak bytes in use while `run()` runs, beyond what it leaves in use;
+    None if it does not run. `run` is called twice: the first call makes the
+    first-use allocations (and compiles, for XLA)."""
+    try:
+        run()
+        tf.config.experimental.reset_memory_stats(device)
+        outputs = run()
+        info = tf.config.experimental.get_memory_info(device)
+        del outputs
+    except (tf.errors.OpError, TypeError, ValueError):
+        return None
+    return max(0, int(info["peak"] - info["current"]))
+
+
+def _zeros(specs: list[tuple[tf.DType, tuple[int, ...], Any]]) -> list[tf.Tensor]:
+    """Inputs for a measured call: the graph's constants, zeros elsewhere."""
+    return [tf.constant(c, dtype=d) if c is not None else tf.zeros(s, d) for d, s, c in specs]
+
+
 @dataclasses.dataclass
 class _Call:
     """One graph op, as an eager call: its type, inputs and attributes."""
@@ -147,23 +178,40 @@ class _Call:
     def scratch_bytes(self, device: str) -> int | None:
         """Peak bytes in use while the op runs, beyond what it leaves in use;
         None if it does not run."""
-        try:
-            args = [tf.constant(c, dtype=d) if c is not None else tf.zeros(s, d)
-                    for d, s, c in self.inputs]
-            run = functools.partial(execute.execute, self.op_type, self.num_outputs, args,
-                                    tuple(self.attrs), context.context(),
-                                    name="tfremat_kernel")
-            run()  # first-use allocations
-            tf.config.experimental.reset_memory_stats(device)
-            outputs = run()
-            info = tf.config.experimental.get_memory_info(device)
-            del outputs
-        except (tf.errors.OpError, TypeError, ValueError):
-            return None
-        return max(0, int(info["peak"] - info["current"]))
+        run = functools.partial(execute.execute, self.op_type, self.num_outputs,
+                                _zeros(self.inputs), tuple(self.attrs), context.context(),
+                                name="tfremat_kernel")
+        return _scratch_bytes(run, device)
 
 
-def _runnable(op: tf.Operation) -> _Call | None:
+@dataclasses.dataclass
+class _XlaCall:
+    """A call of a function that XLA must compile, as an eager call of that
+    function on its flat inputs (captures included)."""
+
+    function: Any  # the graph's AtomicFunction
+    inputs: list[tuple[tf.DType, tuple[int, ...], Any]]
+
+    def key(self) -> tuple:
+        return ("xla", self.function.name, tuple((d.name, s) for d, s, _ in self.inputs))
+
+    def scratch_bytes(self, device: str) -> int | None:
+        """Peak bytes in use while the compiled function runs, beyond what it
+        leaves in use; None if it does not run."""
+        return _scratch_bytes(functools.partial(self.function.call_flat, *_zeros(self.inputs)),
+                              device)
+
+
+def _xla_call(op: tf.Operation) -> _XlaCall | None:
+    """`op` (a stateless call with tensor inputs) as a call of its function,
+    if XLA must compile that function."""
+    function = op.graph._get_function(op.get_attr("f").name)
+    if function is None or not function.cached_definition.attr["_XlaMustCompile"].b:
+        return None
+    return _XlaCall(function, [(t.dtype, tuple(t.shape.as_list()), None) for t in op.inputs])
+
+
+def _runnable(op: tf.Operation) -> _Call | _XlaCall | None:
     """`op` as an eager call, if it is heavy and can run alone."""
     if not op.inputs or not op.outputs or op.op_def.is_stateful:
         return None
@@ -172,8 +220,10 @@ def _runnable(op: tf.Operation) -> _Call | None:
         return None
     if any(not t.shape.is_fully_defined() for t in tensors):
         return None
+    if op.type == "PartitionedCall":
+        return _xla_call(op)
     size = sum(t.shape.num_elements() * t.dtype.size for t in tensors)
-    if size < MIN_OP_BYTES:
+    if size < MIN_OP_BYTES and "Conv" not in op.type:
         return None
     inputs = []
     for t in op.inputs:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
+import re
 import time
 from typing import Any, Iterator
 
@@ -92,14 +93,14 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
             else (spec, None)
         if batch_size is None and _unknown_batch(spec):
             batch_size = _first_batch_size(sample)
-        return (_fix_batch(x_spec, batch_size, "the dataset's element_spec"),
+        return (_keys_sorted(_fix_batch(x_spec, batch_size, "the dataset's element_spec")),
                 _fix_batch(y_spec, batch_size, "the dataset's element_spec"))
     if sample is not None:
         x, y = (sample[0], sample[1]) if isinstance(sample, tuple) and len(sample) >= 2 \
             else (sample, None)
         to_spec = lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(  # noqa: E731
             a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype))
-        return (tf.nest.map_structure(to_spec, x),
+        return (_keys_sorted(tf.nest.map_structure(to_spec, x)),
                 None if y is None else tf.nest.map_structure(to_spec, y))
     if getattr(model, "inputs", None) is None:
         raise UnsupportedModelError(
@@ -113,7 +114,24 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
             raise UnsupportedModelError(
                 f"Input {t.name!r} has shape {t.shape}: tfremat needs static shapes. "
                 "Pass sample=(x, y) with a real batch.")
+    # A functional model given its inputs as a dict is called with a dict
+    # (`model.inputs` lists them in the dict's flattened order).
+    structure = getattr(getattr(model, "_functional", model), "_inputs_struct", None)
+    if isinstance(structure, dict):
+        return _keys_sorted(tf.nest.pack_sequence_as(structure, x_spec)), None
     return (x_spec[0] if len(x_spec) == 1 else x_spec), None
+
+
+def _keys_sorted(structure: Any) -> Any:
+    """`structure` with each dict's keys in sorted order: TensorFlow makes a
+    traced step's placeholders in a dict's insertion order, and Keras lists
+    `model.inputs` (and `tf.nest` flattens) in sorted order, so the graph pairs
+    the model's inputs with the step's placeholders only when the two agree."""
+    if isinstance(structure, dict):
+        return {k: _keys_sorted(structure[k]) for k in sorted(structure)}
+    if isinstance(structure, list):
+        return [_keys_sorted(s) for s in structure]
+    return structure
 
 
 def _unknown_batch(spec: Any) -> bool:
@@ -159,15 +177,26 @@ TRACE_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
 
 def untraceable(model: keras.Model, errors: list[Exception]) -> UnsupportedModelError:
     """The error for a step no target spec traces with; `errors`, the error of
-    each spec tried, in order (see `target_candidates`)."""
-    hint = "Pass sample=(x, y) with a real batch so the targets' shape is known."
-    if len(errors) == 1:
+    each spec tried, in order (see `target_candidates`). An error that is not
+    about shapes (the step's own, whatever its targets) is given alone; when
+    every kind of target failed on shapes, each kind's error is listed with a
+    hint to pass real targets."""
+    own = [e for e in errors if not _about_shapes(e)]
+    if own or len(errors) == 1:
         return UnsupportedModelError(
-            f"Could not trace a training step of {model.name!r}: {errors[0]}. {hint}")
+            f"Could not trace a training step of {model.name!r}: {(own or errors)[0]}")
+    hint = "Pass sample=(x, y) with a real batch so the targets' shape is known."
     tried = "\n".join(f"- with {kind} targets: {e}" for kind, e in zip(_TARGET_KINDS, errors))
     return UnsupportedModelError(
         f"Could not trace a training step of {model.name!r} with any kind of target "
         f"tried:\n{tried}\n{hint}")
+
+
+def _about_shapes(error: Exception) -> bool:
+    """Whether `error` (its last line: errors raised in a traced step carry the
+    step's source lines first) is about the shapes of tensors."""
+    lines = str(error).strip().splitlines()
+    return bool(lines) and re.search(r"shape|[Dd]imension|rank", lines[-1]) is not None
 
 
 #: What each spec of `target_candidates` is, in its order.

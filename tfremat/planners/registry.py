@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from typing import Any, Callable
@@ -228,7 +229,19 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
                                 "offloading to host memory (on top of recomputation "
                                 "when cheaper) meets the budget.")
     raise BudgetError(budget_bytes, minimum, "auto",
-                      "Smallest peaks reached: " + "; ".join(tried) + ".")
+                      "Smallest peaks reached: " + "; ".join(tried) + "." + _shared_note(graph))
+
+
+def _shared_note(graph: PlanGraph) -> str:
+    """What shared layers do to the plans of `graph`, if it has any."""
+    calls = collections.Counter(n.layer for n in graph.nodes if n.class_name != "InputLayer")
+    shared = sorted(layer for layer, count in calls.items() if count > 1)
+    if not shared:
+        return ""
+    names = ", ".join(shared[:4]) + (", ..." if len(shared) > 4 else "")
+    return (f" {len(shared)} layer(s) of this model are called more than once ({names}): "
+            "all calls of a shared layer stay in one recompute segment, which limits what "
+            "can be recomputed (docs/limitations.md).")
 
 
 def _noted(plan: Plan, note: str) -> Plan:

@@ -152,7 +152,7 @@ def choose_updates(model: keras.Model, graph: PlanGraph, budget_bytes: int,
     if setting == "auto":
         plain = simulate(graph).peak_bytes
         if plain <= budget_bytes:
-            return False, "not needed: the step fits the budget"
+            return False, "not needed: the step is predicted to fit the budget"
         if getattr(model, "jit_compile", False) is True:
             return False, UNDER_XLA
         if simulate(with_updates_in_backward(graph)).peak_bytes >= plain:

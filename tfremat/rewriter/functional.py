@@ -17,6 +17,7 @@ trigger's inputs pass through a `GradientSignal`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 
 import keras
@@ -72,6 +73,10 @@ class _Rebuild:
         self.updates = updates
 
     def unique_name(self, name: str) -> str:
+        """`name` made a valid Keras layer name (the ids of shared calls, such
+        as `dense@1`, and references, `dense:0`, are not) and unique in the
+        rewritten model."""
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
         candidate, k = name, 1
         while candidate in self.taken_names:
             candidate, k = f"{name}_{k}", k + 1
@@ -122,7 +127,7 @@ class _Rebuild:
                 self.run_segment(unit, env, f"{prefix}_{k}", self.updates if top else None)
             elif (top and self.updates is not None and unit not in self.triggers
                   and getattr(self.sites[unit].operation, "trainable_variables", None)):
-                self.run_update_unit(unit, env, f"update_{unit.replace('/', '_')}")
+                self.run_update_unit(unit, env, f"update_{unit}")
             else:
                 self.replay(self.sites[unit], env)
             if top:
@@ -132,14 +137,14 @@ class _Rebuild:
         """Adds a `HostCopy` of each offloaded tensor of `env` not copied yet."""
         for ref in self.offload.prefetch_after:
             if ref in env and ref not in self.host:
-                name = self.unique_name(f"host_copy_{ref.replace(':', '_')}")
+                name = self.unique_name(f"host_copy_{ref}")
                 self.host[ref] = HostCopy(self.offload.host_device, name=name)(env[ref])
 
     def replay(self, site: CallSite, env: dict[str, Any]) -> None:
         """Calls the site's layer on the tensors of `env`, as its node did."""
         values = {ref: env[ref] for ref in site.inputs}
         if site.id in self.triggers:
-            name = self.unique_name(f"prefetch_trigger_{site.id.replace('/', '_')}")
+            name = self.unique_name(f"prefetch_trigger_{site.id}")
             signalled = GradientSignal(self.offload.signals, site.id, name=name)(
                 list(values.values()))
             values = dict(zip(values, signalled))
