@@ -250,10 +250,16 @@ class BrokenStep(keras.Model):
         raise TypeError(f"broken step for targets of rank {len(y.shape)}")
 
 
-def test_a_step_no_target_traces_with_names_the_error_of_each_kind_of_target():
+def compiled_dense(model_class: type) -> keras.Model:
+    """A one-Dense functional model of `model_class`, compiled with SGD and MSE."""
     inputs = keras.Input((8,))
-    model = BrokenStep(inputs, keras.layers.Dense(3)(inputs))
+    model = model_class(inputs, keras.layers.Dense(3)(inputs))
     model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_a_step_no_target_traces_with_names_the_error_of_each_kind_of_target():
+    model = compiled_dense(BrokenStep)
     with pytest.raises(tfremat.UnsupportedModelError) as caught:
         tfremat.measure_peak(model, batch_size=4)
     # Each kind's own error: the step's for float targets, the loss's for labels.
@@ -270,9 +276,7 @@ class AlwaysBrokenStep(keras.Model):
 
 
 def test_an_error_whatever_the_targets_is_given_once_without_the_targets_hint():
-    inputs = keras.Input((8,))
-    model = AlwaysBrokenStep(inputs, keras.layers.Dense(3)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
+    model = compiled_dense(AlwaysBrokenStep)
     with pytest.raises(tfremat.UnsupportedModelError) as caught:
         tfremat.measure_peak(model, batch_size=4)
     message = str(caught.value)
