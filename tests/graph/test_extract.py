@@ -232,6 +232,46 @@ def test_prediction_matches_measurement_on_a_residual_cnn():
     assert abs(peaks["predicted"] / peaks["measured"] - 1) < 0.10, peaks
 
 
+# NASNet's cells apply a ReLU to one tensor in each branch: four ReLU layers,
+# one computation, which Grappler runs once into one buffer.
+_DUPLICATE_RELUS = """
+import dataclasses, json
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)
+import keras
+import tfremat
+
+keras.utils.set_random_seed(0)
+inp = keras.Input((32, 32, 16))
+x = keras.layers.BatchNormalization()(keras.layers.Conv2D(32, 3, padding="same")(inp))
+branches = [keras.layers.SeparableConv2D(32, 3, padding="same")(
+    keras.layers.Activation("relu", name=f"relu{i}")(x)) for i in range(4)]
+y = keras.layers.GlobalAveragePooling2D()(keras.layers.Concatenate()(branches))
+model = keras.Model(inp, keras.layers.Dense(10)(y))
+model.compile(optimizer="sgd", loss="categorical_crossentropy")
+graph = tfremat.extract(model, batch_size=32)
+undone = dataclasses.replace(graph, nodes=[dataclasses.replace(n, duplicate_of=[])
+                                           for n in graph])
+print(json.dumps({
+    "duplicate_of": {n.id: n.duplicate_of for n in graph if n.id.startswith("relu")},
+    "relu_bytes": graph.node("relu0").output_bytes,
+    "predicted": tfremat.simulate(graph).peak_bytes,
+    "without": tfremat.simulate(undone).peak_bytes,
+    "measured": tfremat.measure_peak(model, batch_size=32)}))
+"""
+
+
+def test_duplicate_computations_share_one_buffer_as_grappler_runs_them_once():
+    facts = run_fresh(_DUPLICATE_RELUS)
+    firsts = [relu for relu, dup in facts["duplicate_of"].items() if not dup]
+    assert len(firsts) == 1, facts  # the one the step computes first
+    assert sorted(dup for dup in facts["duplicate_of"].values() if dup) == [
+        [f"{firsts[0]}:0"]] * 3, facts
+    assert abs(facts["predicted"] / facts["measured"] - 1) < 0.05, facts
+    # Counted as four buffers, the forward pass would hold three more.
+    assert facts["without"] >= facts["measured"] + 2 * facts["relu_bytes"], facts
+
+
 def test_measured_layer_times_fill_the_nodes_and_keep_the_weights():
     model = residual_cnn()
     before = [w.copy() for w in model.get_weights()]

@@ -143,3 +143,57 @@ def test_a_multi_replica_step_keeps_every_weight_gradient_until_the_update():
     several.metadata["replicas"] = 2
     at_update = [dict(simulate(g).timeline)["optimizer update"] for g in (one, several)]
     assert at_update[1] - at_update[0] == (40 - 24) * 1024
+
+
+def branches_graph(duplicates: bool) -> PlanGraph:
+    """d1 feeds two ReLU layers (one computation: the graph optimizer runs them
+    once when `duplicates` says so), each read by a Dense; their sum is the
+    output."""
+    dup = ["r1:0"] if duplicates else []
+    return PlanGraph([
+        Node("in", "in", "InputLayer", [], [t(1)]),
+        Node("d1", "d1", "Dense", ["in:0"], [t(4)], backward_reads=["in:0"],
+             param_bytes=1024, flops_forward=10.0, flops_backward=20.0),
+        Node("r1", "r1", "ReLU", ["d1:0"], [t(4)], backward_reads=["r1:0"],
+             flops_forward=1.0, flops_backward=1.0),
+        Node("r2", "r2", "ReLU", ["d1:0"], [t(4)], backward_reads=["r2:0"],
+             flops_forward=1.0, flops_backward=1.0, duplicate_of=dup),
+        Node("a", "a", "Dense", ["r1:0"], [t(1)], backward_reads=["r1:0"],
+             param_bytes=1024, flops_forward=10.0, flops_backward=20.0),
+        Node("b", "b", "Dense", ["r2:0"], [t(1)], backward_reads=["r2:0"],
+             param_bytes=1024, flops_forward=10.0, flops_backward=20.0),
+        Node("sum", "sum", "Add", ["a:0", "b:0"], [t(1)]),
+    ], outputs=["sum:0"])
+
+
+def test_a_duplicate_computation_shares_the_first_ones_buffer():
+    shared, apart = simulate(branches_graph(True)), simulate(branches_graph(False))
+    at = {label: mb for label, mb in shared.timeline}
+    at_apart = {label: mb for label, mb in apart.timeline}
+    # r2 runs as r1: it neither reads d1 (which dies at r1) nor makes a buffer.
+    assert at["fwd r2"] == at_apart["fwd r2"] - 8 * MB
+    # Then one 4 MiB buffer fewer until the ReLUs' backward.
+    assert at["loss"] == at_apart["loss"] - 4 * MB
+    assert shared.peak_bytes == apart.peak_bytes - 4 * MB
+
+
+def test_a_duplicate_is_shared_only_when_computed_in_the_same_recompute():
+    g = branches_graph(True)
+    together = simulate(g, Plan.from_segments(g, [["r1", "r2", "a", "b"]]))
+    apart = simulate(g, Plan.from_segments(g, [["r1", "a"], ["r2", "b"]]))
+    # Recomputed together, r2 is r1 again: neither its buffer nor its FLOPs.
+    assert together.extra_flops == 1.0 + 10.0 + 10.0
+    # Recomputed in two segments, each ReLU runs in its own recompute.
+    assert apart.extra_flops == 2 * (1.0 + 10.0)
+
+
+def test_duplicate_of_must_name_an_earlier_output_of_the_same_size():
+    nodes = branches_graph(True).nodes
+    nodes[3] = Node("r2", "r2", "ReLU", ["d1:0"], [t(4)], duplicate_of=["a:0"])
+    with pytest.raises(ValueError, match="duplicate 'a:0'"):
+        PlanGraph(nodes, outputs=["sum:0"])
+    nodes[3] = Node("r2", "r2", "ReLU", ["d1:0"], [t(4)], duplicate_of=["in:0"])
+    with pytest.raises(ValueError, match="not an earlier output of its size"):
+        PlanGraph(nodes, outputs=["sum:0"])
+    g = branches_graph(True)
+    assert PlanGraph.from_json(g.to_json()).node("r2").duplicate_of == ["r1:0"]

@@ -93,6 +93,11 @@ class Node:
         alias_inputs: For each output, the position in `inputs` of the input
             whose buffer it is (a reshape or identity), or None for a new buffer.
             Empty means no output aliases an input.
+        duplicate_of: For each output, the reference of an earlier call's
+            output that is the same computation on the same tensors (NASNet
+            applies a ReLU to one tensor in several branches), or None.
+            TensorFlow's graph optimizer runs such duplicates once, into one
+            buffer, when both are computed together. Empty means none.
 
     Example:
 
@@ -119,6 +124,7 @@ class Node:
     seconds_backward: float | None = None
     inplace: bool = False
     alias_inputs: list[int | None] = dataclasses.field(default_factory=list)
+    duplicate_of: list[str | None] = dataclasses.field(default_factory=list)
 
     @property
     def is_input(self) -> bool:
@@ -221,6 +227,17 @@ class PlanGraph:
                     )
                 if index >= len(self.nodes[self._index[producer]].outputs):
                     raise ValueError(f"Node {node.id!r} reads missing output {ref!r}.")
+            for i, ref in enumerate(node.duplicate_of):
+                if ref is None:
+                    continue
+                producer, index = split_ref(ref)
+                if (i >= len(node.outputs)
+                        or self._index.get(producer, len(self.nodes)) >= self._index[node.id]
+                        or index >= len(self.nodes[self._index[producer]].outputs)
+                        or self.nodes[self._index[producer]].outputs[index].bytes
+                        != node.outputs[i].bytes):
+                    raise ValueError(f"Node {node.id!r}'s output {i} is said to duplicate "
+                                     f"{ref!r}, which is not an earlier output of its size.")
         # Nodes are not changed once in a graph, so lookups are worked out once.
         self._predecessors = {n.id: tuple(dict.fromkeys(split_ref(r)[0] for r in n.inputs))
                               for n in self.nodes}

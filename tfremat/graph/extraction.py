@@ -349,6 +349,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     for site_id, tensors in traced.call_outputs.items():
         for k, t in enumerate(tensors):
             out_ref.setdefault(flow.root_of(t), f"{site_id}:{k}")
+    first_of = _deduplicated(ops, traced.backward_start)
+    computed: dict[_Root, str] = {}  # deduplicated buffer -> first call output it is
 
     x_spec, y_spec = traced.input_specs
     placeholders = [i for i, op in enumerate(ops[:traced.backward_start])
@@ -416,6 +418,11 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         aliases_input = [r[0] not in fwd_set and r in out_ref and out_ref[r] != f"{site.id}:{k}"
                          for k, r in enumerate(out_roots)]
         outputs = [TensorInfo.of(t.shape.as_list(), t.dtype.name) for t in outs]
+        duplicate_of: list[str | None] = []
+        for k, r in enumerate(out_roots):
+            first = computed.setdefault((first_of[r[0]], r[1]), f"{site.id}:{k}")
+            duplicate_of.append(None if aliases_input[k] or first == out_ref.get(r)
+                                or first.startswith(f"{site.id}:") else first)
         saved_roots = {r for r in flow.size if r[0] in fwd_set and any(
             c in bwd for c in flow.readers[r])}
         forward_ws = _peak_of_temporaries(
@@ -447,6 +454,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             inplace=inplace,
             alias_inputs=[_alias_position(r, inputs, out_ref) if a else None
                           for r, a in zip(out_roots, aliases_input)],
+            duplicate_of=duplicate_of if any(duplicate_of) else [],
         )
         nodes.append(node)
         by_id[node.id] = node
@@ -523,6 +531,29 @@ def _all_reduce_packs(update_pos: list[int], flow: _Dataflow) -> set[_Root]:
             packs.add(flow.root[(i, 0)])
             packs.add(flow.root_of(op.inputs[0]))
     return {r for r in packs if flow.size.get(r)}
+
+
+def _deduplicated(ops: list[tf.Operation], end: int) -> list[int]:
+    """For each op, the index of the first op before `end` that computes the
+    same: same type and attributes, same inputs and control inputs once
+    duplicates are merged. Grappler's arithmetic optimizer runs such ops once
+    (its `DedupComputations`), so their outputs are one buffer. Stateful ops
+    are never merged."""
+    index = {op.name: i for i, op in enumerate(ops)}
+    first = list(range(len(ops)))
+    seen: dict[tuple, int] = {}
+    for i, op in enumerate(ops[:end]):
+        if op.op_def is None or op.op_def.is_stateful or not op.outputs:
+            continue
+        try:
+            inputs = tuple((first[index[t.op.name]], t.value_index) for t in op.inputs)
+            controls = tuple(sorted(first[index[c.name]] for c in op.control_inputs))
+        except KeyError:  # reads an op outside the step (a captured function's)
+            continue
+        attrs = tuple(sorted((k, v.SerializeToString(deterministic=True))
+                             for k, v in op.node_def.attr.items()))
+        first[i] = seen.setdefault((op.type, inputs, controls, attrs), i)
+    return first
 
 
 def _alias_position(root: _Root, inputs: list[str], out_ref: dict[_Root, str]) -> int | None:

@@ -198,18 +198,26 @@ class Schedule:
         return self._segment_units[id(segment)]
 
     def _forward_node(self, node: Node, ctx: "_Context", record: bool) -> None:
+        # Outputs an earlier call computed in this same (re)computation: the
+        # graph optimizer runs the two as one, into one buffer.
+        same = [ctx.keys.get(r) if r is not None else None for r in node.duplicate_of]
+        merged = bool(same) and all(k is not None for k in same)
         runs = self.times_run.get(node.id, 0)
         self.times_run[node.id] = runs + 1
-        seconds = node_seconds(node, self.device_flops)[0]
-        if runs:
+        seconds = 0.0 if merged else node_seconds(node, self.device_flops)[0]
+        if runs and not merged:
             self.extra_compute += node.forward_cost
             self.extra_flops += node.flops_forward
             self.recompute_seconds += seconds
-        transient = node.forward_workspace_bytes
-        if not record:
+        transient = 0 if merged else node.forward_workspace_bytes
+        if not record and not merged:
             transient += node.internal_saved_bytes
         step = self._step(f"fwd {node.id}" + ("" if runs == 0 else f" (recompute {runs})"),
                           transient, seconds)
+        if merged:
+            for i, key in enumerate(same):
+                ctx.keys[node.output_ref(i)] = key
+            return
         inputs = [ctx.resolve(r) for r in node.inputs]
         for key in inputs:
             self._use(key, step)
@@ -219,6 +227,9 @@ class Schedule:
             if alias is not None:  # a view of an input: same buffer, no allocation
                 ctx.keys[ref] = inputs[alias]
                 continue
+            if same and same[i] is not None:
+                ctx.keys[ref] = same[i]
+                continue
             key = (ref, ctx.uid)
             self._alloc(key, 0 if node.is_input else t.bytes, step)
             ctx.keys[ref] = key
@@ -226,7 +237,7 @@ class Schedule:
             key = (node.id + "#saved", ctx.uid)
             self._alloc(key, node.internal_saved_bytes, step)
             ctx.saved[node.id] = key
-        if node.inplace and inputs and node.outputs:
+        if node.inplace and inputs and node.outputs and not (same and same[0] is not None):
             self.inplace.append((step, (node.output_ref(0), ctx.uid), inputs[0]))
 
     def loss(self, ctx: "_Context") -> None:
