@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from tfremat.backend import NO_STATS_HINT, device_name, require_tensorflow
 from tfremat.core import UnsupportedModelError
-from tfremat.graph import (TRACE_ERRORS, batch_specs, stand_ins, step_function,
-                           target_candidates, untraceable)
+from tfremat.graph import (TRACE_ERRORS, batch_specs, require_built, stand_ins,
+                           step_function, target_candidates, untraceable)
 
 logger = logging.getLogger("tfremat")
 
@@ -126,16 +126,6 @@ def _given_batch(sample: Any) -> tuple[Any, Any] | None:
             isinstance(sample, tuple) and len(sample) >= 2 and sample[1] is not None):
         return None
     return allocator_copy(sample[0]), allocator_copy(sample[1])
-
-
-def _require_built(model: keras.Model) -> None:
-    """Refuses a model with a layer that has not made its weights yet."""
-    unbuilt = [layer.name for layer in model._flatten_layers() if not layer.built]
-    if unbuilt:
-        raise UnsupportedModelError(
-            f"Model {model.name!r} is not built (unbuilt: {', '.join(unbuilt[:5])}). "
-            "measure_peak does not build models: call the model on a batch, or build "
-            "it with model.build(input_shape), first.")
 
 
 @contextlib.contextmanager
@@ -276,7 +266,7 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     >>> tfremat.measure_peak(model, batch_size=32) / 2**20   # MiB
     """
     require_tensorflow()
-    _require_built(model)
+    require_built(model, "measuring")
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     jit = getattr(model, "jit_compile", False) is True

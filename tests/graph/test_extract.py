@@ -272,6 +272,39 @@ def test_duplicate_computations_share_one_buffer_as_grappler_runs_them_once():
     assert facts["without"] >= facts["measured"] + 2 * facts["relu_bytes"], facts
 
 
+def _text_model(length: int | None) -> tuple[keras.Model, np.ndarray, np.ndarray]:
+    texts = np.array(["a b c d", "b c d e", "c d e f", "x y z a"] * 4, dtype=object)
+    vectorize = keras.layers.TextVectorization(max_tokens=20, output_sequence_length=length,
+                                               name="vectorize")
+    vectorize.adapt(texts)
+    inp = keras.Input((), dtype="string", name="text")
+    x = keras.layers.Embedding(20, 8, name="embed")(vectorize(inp))
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    model = keras.Model(inp, keras.layers.Dense(1, activation="sigmoid", name="head")(x))
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    return model, texts, np.ones(len(texts), "float32")
+
+
+def test_string_inputs_and_outputs_of_unknown_batch_size_are_counted():
+    model, texts, y = _text_model(length=12)
+    g = tfremat.extract(model, sample=(texts[:8], y[:8]))
+    assert g.node("text").outputs[0].dtype == "string"
+    assert g.node("text").output_bytes == 8 * 24  # TensorFlow's tstring
+    # Its ragged ops lose the batch's static size: it is the batch's.
+    assert g.node("vectorize").outputs[0].shape == (8, 12)
+    assert g.node("embed").outputs[0].shape == (8, 12, 8)
+    # Measured too: TextVectorization's own lookup layer is never built.
+    assert tfremat.measure_peak(model, sample=(texts[:8], y[:8])) > 0
+
+
+def test_an_output_of_unknown_size_beyond_the_batch_is_refused_by_name():
+    model, texts, y = _text_model(length=None)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"output of 'vectorize' has a shape known only when the step "
+                             r"runs .*output_sequence_length"):
+        tfremat.extract(model, sample=(texts[:8], y[:8]))
+
+
 def test_measured_layer_times_fill_the_nodes_and_keep_the_weights():
     model = residual_cnn()
     before = [w.copy() for w in model.get_weights()]

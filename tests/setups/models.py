@@ -161,6 +161,29 @@ def transformer_with_mask() -> Setup:
     return Setup(model, tokens[:, :-1], tokens[:, 1:], {"batch_size": 32})
 
 
+def text_vectorization() -> Setup:
+    """An end-to-end text classifier: strings in, `TextVectorization` inside
+    the model (its ragged ops lose the batch's static size), residual Conv1Ds."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 400, (128, 256))
+    texts = np.array([" ".join(f"w{w}" for w in row[:rng.integers(128, 257)])
+                      for row in words], dtype=object)
+    vectorize = keras.layers.TextVectorization(max_tokens=402, output_sequence_length=256,
+                                               name="vectorize")
+    vectorize.adapt(texts)
+    inp = keras.Input((), dtype="string", name="text")
+    x = keras.layers.Embedding(402, 64, name="embed")(vectorize(inp))
+    for i in range(6):
+        y = keras.layers.Conv1D(64, 5, padding="same", activation="relu", name=f"conv{i}a")(x)
+        y = keras.layers.Conv1D(64, 5, padding="same", name=f"conv{i}b")(y)
+        x = keras.layers.ReLU(name=f"out{i}")(keras.layers.Add(name=f"add{i}")([x, y]))
+    x = keras.layers.GlobalMaxPooling1D(name="pool")(x)
+    model = keras.Model(inp, keras.layers.Dense(2, activation="softmax", name="head")(x),
+                        name="text")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    return Setup(model, texts, rng.integers(0, 2, 128).astype("int32"), {"batch_size": 32})
+
+
 def activity_regularizer() -> Setup:
     # Deep enough that activations, not one conv's backward scratch, make the
     # peak: a 4-conv model's least peak is its plain one (see limitations.md).
@@ -296,7 +319,7 @@ SETUPS: dict[str, Callable[[], Setup]] = {
         metrics, loss_dict, sample_and_class_weights, class_weights, rnn_with_mask,
         transformer_with_mask, activity_regularizer, custom_train_step, subclassed,
         loaded_from_keras_file, mixed_bfloat16, tf_data_smaller_last_batch, jit_compile,
-        steps_per_execution, adam)
+        steps_per_execution, adam, text_vectorization)
 }
 
 

@@ -19,6 +19,9 @@ _DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2,
     "uint32": 4, "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16,
+    # A TensorFlow string element is a 24-byte `tstring`; text longer than
+    # fits in it lives outside the allocator, and strings stay in host memory.
+    "string": 24,
 }
 
 

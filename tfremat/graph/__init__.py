@@ -19,9 +19,10 @@ from tfremat.graph.keras_graph import (CallSite, as_functional, fingerprint,  # 
 from tfremat.graph.training_state import stand_ins  # noqa: E402
 from tfremat.graph.timing import measure_layer_times  # noqa: E402
 from tfremat.graph.tracing import (TRACE_ERRORS, TracedStep, batch_specs,  # noqa: E402
-                                 step_function, target_candidates, trace, untraceable)
+                                 require_built, step_function, target_candidates, trace,
+                                 untraceable)
 
 __all__ = ["TRACE_ERRORS", "CallSite", "TracedStep", "as_functional", "batch_specs",
            "extract", "fingerprint", "is_subclassed", "measure_layer_times",
-           "stand_ins", "step_function", "structure_graph", "target_candidates", "trace",
-           "untraceable", "walk", "walk_with_outputs"]
+           "require_built", "stand_ins", "step_function", "structure_graph",
+           "target_candidates", "trace", "untraceable", "walk", "walk_with_outputs"]

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfremat.backend import require_tensorflow
 from tfremat.graph import costs
-from tfremat.core import Node, PlanGraph, TensorInfo
+from tfremat.core import Node, PlanGraph, TensorInfo, UnsupportedModelError
 from tfremat.graph.kernels import KernelWorkspaces, measure_kernel_workspaces
 from tfremat.graph.timing import measure_layer_times
 from tfremat.graph.tracing import TracedStep, trace
@@ -356,6 +356,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     placeholders = [i for i, op in enumerate(ops[:traced.backward_start])
                     if op.type == "Placeholder" and op.outputs[0].dtype != tf.resource]
     x_flat = tf.nest.flatten(x_spec)
+    batch = x_flat[0].shape[0] if x_flat and x_flat[0].shape.rank else None
     input_sites = [s for s in traced.sites if s.is_input]
     if input_sites:
         for site, i in zip(input_sites, placeholders):
@@ -417,7 +418,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             inputs = _dynamic_inputs(site.id, fwd_pos, flow, out_ref)
         aliases_input = [r[0] not in fwd_set and r in out_ref and out_ref[r] != f"{site.id}:{k}"
                          for k, r in enumerate(out_roots)]
-        outputs = [TensorInfo.of(t.shape.as_list(), t.dtype.name) for t in outs]
+        outputs = [_tensor_info(t, batch, site.id) for t in outs]
         duplicate_of: list[str | None] = []
         for k, r in enumerate(out_roots):
             first = computed.setdefault((first_of[r[0]], r[1]), f"{site.id}:{k}")
@@ -531,6 +532,26 @@ def _all_reduce_packs(update_pos: list[int], flow: _Dataflow) -> set[_Root]:
             packs.add(flow.root[(i, 0)])
             packs.add(flow.root_of(op.inputs[0]))
     return {r for r in packs if flow.size.get(r)}
+
+
+def _tensor_info(t: tf.Tensor, batch: int | None, site_id: str) -> TensorInfo:
+    """The shape, dtype and bytes of a call's output. Ops that go through ragged
+    tensors (`TextVectorization`) lose the batch dimension's static size; it
+    is the batch's.
+
+    Raises:
+        UnsupportedModelError: a dimension other than the batch's is unknown.
+    """
+    shape = t.shape.as_list() if t.shape.rank is not None else None
+    if shape and shape[0] is None:
+        shape[0] = batch
+    if shape is None or None in shape:
+        raise UnsupportedModelError(
+            f"The output of {site_id!r} has a shape known only when the step runs "
+            f"({t.shape}), so its memory cannot be planned. Give the layer a fixed "
+            "output size (e.g. TextVectorization(output_sequence_length=...)), or pad "
+            "the batch to a fixed shape.")
+    return TensorInfo.of(shape, t.dtype.name)
 
 
 def _deduplicated(ops: list[tf.Operation], end: int) -> list[int]:

@@ -362,6 +362,24 @@ def step_function(model: keras.Model) -> Any:
     return _default_step(model)
 
 
+def require_built(model: keras.Model, doing: str) -> None:
+    """Refuses a model that has not made its variables yet.
+
+    Built means the model's flag, or, for a subclassed model whose layers
+    Keras's `fit` built without setting the model's flag, every layer's. The
+    sublayers of a built layer are its own business: `TextVectorization`
+    keeps a lookup layer it never builds.
+
+    Raises:
+        UnsupportedModelError: the model is not built.
+    """
+    layers = list(model._flatten_layers(include_self=False))
+    if not (model.built or (layers and all(layer.built for layer in layers))):
+        raise UnsupportedModelError(
+            f"Model {model.name!r} is not built. Call it on a batch, or build it with "
+            f"model.build(input_shape), before {doing}.")
+
+
 def trace(model: keras.Model, *, batch_size: int | None = None,
           sample: Any = None) -> TracedStep:
     """Traces one training step of `model` and locates its layer calls.
@@ -377,13 +395,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     Raises:
         UnsupportedModelError: the model is not built, or cannot be traced.
     """
-    # Keras's fit builds a subclassed model's layers (not the model's flag)
-    # before the first step: built means every layer has its variables.
-    layers = list(model._flatten_layers(include_self=False))
-    if not (model.built or (layers and all(layer.built for layer in layers))):
-        raise UnsupportedModelError(
-            f"Model {model.name!r} is not built. Call it on a batch, or build it with "
-            "model.build(input_shape), before planning.")
+    require_built(model, "planning")
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
     subclassed = is_subclassed(model)
     if subclassed:
