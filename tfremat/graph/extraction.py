@@ -557,9 +557,8 @@ def _tensor_info(t: tf.Tensor, batch: int | None, site_id: str) -> TensorInfo:
 def _deduplicated(ops: list[tf.Operation], end: int) -> list[int]:
     """For each op, the index of the first op before `end` that computes the
     same: same type and attributes, same inputs and control inputs once
-    duplicates are merged. Grappler's arithmetic optimizer runs such ops once
-    (its `DedupComputations`), so their outputs are one buffer. Stateful ops
-    are never merged."""
+    duplicates are merged. Grappler's common-subgraph elimination runs such
+    ops once, so their outputs are one buffer. Stateful ops are never merged."""
     index = {op.name: i for i, op in enumerate(ops)}
     first = list(range(len(ops)))
     seen: dict[tuple, int] = {}
