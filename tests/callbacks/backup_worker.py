@@ -68,7 +68,7 @@ def main() -> None:
         # convolutions' gradients' scratch, sized by the CPU's cache, is most of it).
         graph = tfremat.extract(model, batch_size=BATCH)
         try:
-            tfremat.plan(model, 1.0, graph=graph)
+            tfremat.plan(model, 0.01, graph=graph)
         except tfremat.BudgetError as refused:
             budget = (tfremat.simulate(graph).peak_mb + refused.min_budget_mb) / 2
         # Unmeasured planning is deterministic: the restarted fit must apply the

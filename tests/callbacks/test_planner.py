@@ -47,7 +47,7 @@ def predicted_range_mb(batch: int = BATCH) -> tuple[float, float]:
     the simulator predicts them (at `batch`)."""
     graph = tfremat.extract(make_model(), batch_size=batch)
     with pytest.raises(tfremat.BudgetError) as err:
-        tfremat.plan(make_model(), 1.0, graph=graph)
+        tfremat.plan(make_model(), 0.01, graph=graph)
     return err.value.min_budget_mb, tfremat.simulate(graph).peak_mb
 
 
@@ -79,7 +79,7 @@ def measured_budget_mb(x, y) -> float:
     earlier was out of reach there.
     """
     with pytest.raises(tfremat.BudgetError) as err:
-        tfremat.plan(make_model(), 1.0, sample=(x[:BATCH], y[:BATCH]), measure=True)
+        tfremat.plan(make_model(), 0.01, sample=(x[:BATCH], y[:BATCH]), measure=True)
     floor, plain = err.value.min_budget_mb, plain_fit_peak(x, y)
     assert floor < plain, "no budget between the floor and the plain peak"
     return (floor + plain) / 2

@@ -52,7 +52,7 @@ def budget_mb():
     model = make_model()
     graph = tfremat.extract(model, batch_size=BATCH)
     with pytest.raises(tfremat.BudgetError) as refused:
-        tfremat.plan(model, 1.0, graph=graph)
+        tfremat.plan(model, 0.01, graph=graph)
     return (tfremat.simulate(graph).peak_mb + refused.value.min_budget_mb) / 2
 
 
