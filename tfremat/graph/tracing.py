@@ -253,10 +253,15 @@ class _Recorder:
         self.log: list[tuple[str, int, int, Any]] = []
         self.grad_marks: list[tuple[int, int]] = []
         self.extra_calls: dict[str, tuple[int, int]] = {}
+        self._batch: int | None = None
 
-    def start_trace(self) -> None:
-        """Forgets what an earlier run of the step recorded."""
+    def start_trace(self, x: Any) -> None:
+        """Forgets what an earlier run of the step recorded; `x` is the step's
+        input in the new graph."""
         self.graph = tf.compat.v1.get_default_graph()
+        first = next(iter(tf.nest.flatten(x)), None)
+        self._batch = (first.shape[0] if isinstance(first, tf.Tensor) and first.shape.rank
+                       else None)
         self._counters = {k: 0 for k in self._sites_by_op}
         self.log, self.grad_marks, self.extra_calls = [], [], {}
 
@@ -269,6 +274,7 @@ class _Recorder:
         end = self._op_count()
         if start is None or end is None:
             return
+        self._restore_batch(out)
         ids = self._sites_by_op[key]
         k = self._counters[key]
         self._counters[key] = k + 1
@@ -276,6 +282,18 @@ class _Recorder:
             self.extra_calls[self._ops_of[key].name] = (k + 1, len(ids))
             return
         self.log.append((ids[k] if ids else str(key), start, end, out))
+
+    def _restore_batch(self, out: Any) -> None:
+        """Gives a call's outputs back the batch's static size where the call lost
+        it (ragged ops inside `TextVectorization`). A Keras layer's output leads
+        with the batch; without its size, every tensor computed from the output,
+        a recurrent layer's loop buffers included, would have no static size, so
+        no bytes to plan. Only the traced graph's static shapes change."""
+        if self._batch is None:
+            return
+        for t in tf.nest.flatten(out):
+            if isinstance(t, tf.Tensor) and t.shape.rank and t.shape[0] is None:
+                t.set_shape([self._batch] + t.shape.as_list()[1:])
 
     def check_one_forward_pass(self, model: keras.Model) -> None:
         """Raises if the step called a layer more often than the model's graph.
@@ -423,7 +441,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     recorder = _Recorder(sites_by_op, ops_of)
 
     def recorded_step(x: Any, y: Any) -> Any:
-        recorder.start_trace()
+        recorder.start_trace(x)
         return trace_step(x, y)
 
     for y in candidates:
