@@ -578,3 +578,12 @@ def test_a_replan_that_keeps_the_plan_leaves_its_trials_out_of_the_epoch_peak(
     # Half the trial: the training steps alone peaked at 129.7 MiB on an AMD EPYC
     # (over the 128 this assertion had when the trial was 256 MiB).
     assert all(p < 512 for p in hist.history["peak_memory_mb"]), hist.history
+
+
+def test_a_peak_just_over_the_budget_reads_above_it():
+    planner = tfremat.Planner(budget_mb=20.0, replan=False)
+    with pytest.warns(RuntimeWarning) as caught:
+        planner._over_budget(20.003)  # once read "20.0 MiB exceeds the budget of 20.0 MiB"
+        planner._over_budget(24.0)
+    assert "peak 20.003 MiB on CPU:0 exceeds the budget of 20.000 MiB" in str(caught[0].message)
+    assert "peak 24.0 MiB on CPU:0 exceeds the budget of 20.0 MiB" in str(caught[1].message)

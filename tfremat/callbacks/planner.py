@@ -509,10 +509,12 @@ class Planner(keras.callbacks.Callback):
         return tf.config.experimental.get_memory_info(self.device)["peak"] / MIB
 
     def _over_budget(self, peak_mb: float) -> None:
-        budget = (f"{self.budget_mb:.1f} MiB" if self._sharing == 1 else
-                  f"{self._sharing} x {self.budget_mb:.1f} MiB (its allocator holds "
+        # Enough digits that the peak reads above the budget (20.003 over 20.0).
+        d = 1 if f"{peak_mb:.1f}" != f"{self.budget_mb * self._sharing:.1f}" else 3
+        budget = (f"{self.budget_mb:.{d}f} MiB" if self._sharing == 1 else
+                  f"{self._sharing} x {self.budget_mb:.{d}f} MiB (its allocator holds "
                   f"{self._sharing} replicas)")
-        over = (f"the measured peak {peak_mb:.1f} MiB on {self.device} exceeds the "
+        over = (f"the measured peak {peak_mb:.{d}f} MiB on {self.device} exceeds the "
                 f"budget of {budget}")
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
