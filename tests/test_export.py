@@ -2,11 +2,13 @@
 
 import dataclasses
 
+import keras
 import pytest
 
 from tests.marks import needs_graphviz
 from tests.planners import graphs as G
 from tests.simulation.test_simulator import chain, fig2_graph
+import tfremat
 from tfremat import Plan, Segment
 from tfremat import export
 from tfremat.simulation import simulate
@@ -53,6 +55,14 @@ def test_png_with_graphviz_is_written(tmp_path):
     path = export.export_dot(plan, str(tmp_path / "plan.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_names_the_batch_size_of_an_extracted_step():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)], name="tiny")
+    model.compile(optimizer="sgd", loss="mse")
+    graph = tfremat.extract(model, batch_size=12)
+    plan = tfremat.plan(model, 100, graph=graph)
+    assert export.summary(graph, plan).splitlines()[0].endswith(", batch 12")
 
 
 def test_unknown_format_is_refused(tmp_path):

@@ -230,7 +230,9 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     plan.validate(graph)
     plain = simulate(graph)
     est = simulate(graph, plan, validate=False)
-    lines = [f'Plan for "{graph.name}" by {plan.planner}', "=" * 72]
+    shapes = graph.metadata.get("batch_shape") or [[None]]
+    batch = f", batch {shapes[0][0]}" if shapes[0] and shapes[0][0] else ""
+    lines = [f'Plan for "{graph.name}" by {plan.planner}{batch}', "=" * 72]
     if plan.budget_bytes:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
     lines += [
