@@ -587,3 +587,12 @@ def test_a_peak_just_over_the_budget_reads_above_it():
         planner._over_budget(24.0)
     assert "peak 20.003 MiB on CPU:0 exceeds the budget of 20.000 MiB" in str(caught[0].message)
     assert "peak 24.0 MiB on CPU:0 exceeds the budget of 20.0 MiB" in str(caught[1].message)
+
+
+def test_a_peak_over_the_budget_says_why_it_was_not_replanned():
+    # It read "... after 0 re-plan(s)" with re-planning turned off.
+    with pytest.warns(RuntimeWarning, match=r"re-planning is off: Planner\(replan=False\)"):
+        tfremat.Planner(budget_mb=20.0, replan=False)._over_budget(24.0)
+    spent = tfremat.Planner(budget_mb=20.0, max_replans=0)
+    with pytest.warns(RuntimeWarning, match=r"after 0 re-plan\(s\)"):
+        spent._over_budget(24.0)

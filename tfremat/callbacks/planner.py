@@ -518,8 +518,10 @@ class Planner(keras.callbacks.Callback):
                 f"budget of {budget}")
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
+            tried = (f"after {self.replans} re-plan(s)" if self.replan else
+                     "(re-planning is off: Planner(replan=False))")
             warnings.warn(
-                f"tfremat: {over} after {self.replans} re-plan(s). "
+                f"tfremat: {over} {tried}. "
                 "Lower the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
             return
         excess = peak_mb / self._sharing - self.predicted_peak_mb
