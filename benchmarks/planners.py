@@ -521,7 +521,8 @@ def machine() -> str:
 
     The CPU matters, not only its count: the scratch TensorFlow's CPU kernels
     allocate, and so the peaks measured and predicted, differ from one CPU to
-    another (docs/how-it-works.md, "Another CPU, other peaks").
+    another and with oneDNN on or off (docs/how-it-works.md, "Another CPU,
+    other peaks").
     """
     model = platform.processor() or "unknown CPU"
     try:
@@ -537,7 +538,19 @@ def machine() -> str:
     except (OSError, ValueError):
         pass
     return (f"{platform.machine()}, {model}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}, TensorFlow CPU")
+            f"{platform.python_version()}, TensorFlow CPU, oneDNN {onednn()}")
+
+
+def onednn() -> str:
+    """Whether TensorFlow runs oneDNN's CPU kernels in this process: on by
+    default on CPUs with AVX512_VNNI, AVX512_BF16 or AMX, off elsewhere, and
+    `TF_ENABLE_ONEDNN_OPTS` decides. Its convolutions allocate no scratch
+    through TensorFlow's allocator; TensorFlow's own allocate up to the L3
+    cache's size (docs/how-it-works.md, "Another CPU, other peaks")."""
+    import tfremat  # noqa: F401  (before TensorFlow: it picks the allocator)
+    from tensorflow.python.util import _pywrap_util_port  # no public API tells
+
+    return "on" if _pywrap_util_port.IsMklEnabled() else "off"
 
 
 def run_header(script: str, repeats: int, steps: int) -> dict[str, Any]:
