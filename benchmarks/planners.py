@@ -547,7 +547,9 @@ def onednn() -> str:
     `TF_ENABLE_ONEDNN_OPTS` decides. Its convolutions allocate no scratch
     through TensorFlow's allocator; TensorFlow's own allocate up to the L3
     cache's size (docs/how-it-works.md, "Another CPU, other peaks")."""
-    import tfremat  # noqa: F401  (before TensorFlow: it picks the allocator)
+    import importlib
+
+    importlib.import_module("tfremat")  # before TensorFlow: it picks the CPU allocator
     from tensorflow.python.util import _pywrap_util_port  # no public API tells
 
     return "on" if _pywrap_util_port.IsMklEnabled() else "off"
