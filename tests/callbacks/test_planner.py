@@ -245,7 +245,7 @@ def test_replicas_sharing_one_allocator_are_judged_against_their_budgets_togethe
     over a per-device budget although each may fit (a user's MirroredStrategy
     model re-planned for 51.9 MiB against a budget of 97). When their sum is over
     both budgets together, one of them is over its own."""
-    x, y = data(3)
+    x, y = data(4)  # plan, over: re-plan, the new plan's first step, over: warn
     light = light_budget_mb()
     monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 2 * each * light)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -596,3 +596,33 @@ def test_a_peak_over_the_budget_says_why_it_was_not_replanned():
     spent = tfremat.Planner(budget_mb=20.0, max_replans=0)
     with pytest.warns(RuntimeWarning, match=r"after 0 re-plan\(s\)"):
         spent._over_budget(24.0)
+
+
+def test_the_plan_that_measured_lowest_is_not_planned_again(monkeypatch):
+    """When planning measured every candidate over the budget, the Planner trains
+    with the lowest and says so; a training step over the budget then must not
+    run the same trials again (a tight budget spent ~40 s on them, to end in the
+    plan in use) but warn once more and go on."""
+    x, y = data(2)
+    calls = []
+
+    def nothing_fits(model, budget, **kwargs):
+        calls.append(budget)
+        error = tfremat.BudgetError(int(budget * 2**20), 200 * 2**20, "auto")
+        error.measured_plan = tfremat.Plan.from_segments(kwargs["graph"], [],
+                                                         planner="auto")
+        raise error
+
+    monkeypatch.setattr(planner_module.api, "plan", nothing_fits)
+    monkeypatch.setattr(tfremat.Planner, "_peak_mb", lambda self: 300.0)
+    planner = tfremat.Planner(100, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                                callbacks=[planner])
+    said = [str(w.message) for w in caught if str(w.message).startswith("tfremat:")]
+    assert len(calls) == 1 and planner.replans == 0, calls
+    assert len(said) == 2, said
+    assert "trains with the plan that measured lowest" in said[0]
+    assert "measured lowest of the plans tried" in said[1]
+    assert len(hist.history["loss"]) == 2

@@ -183,6 +183,7 @@ class Planner(keras.callbacks.Callback):
         self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
         self._validated = False  # fit's validation ran this epoch
         self._sample: Any = None  # one device's share of the first batch, for measuring
+        self._lowest_measured: Plan | None = None  # the best effort of a measured BudgetError
         self._summary_writer: Any = None  # a TensorBoard callback's train run
         self._sharing = 1  # replicas whose steps the measured allocator holds
 
@@ -390,6 +391,7 @@ class Planner(keras.callbacks.Callback):
             # with the lowest, and say so (re-planning may still go lower).
             warnings.warn(f"tfremat: {e}\nThis fit trains with the plan that measured "
                           "lowest.", RuntimeWarning, stacklevel=2)
+            self._lowest_measured = e.measured_plan
             return e.measured_plan
 
     def _install(self, plan: Plan) -> None:
@@ -516,6 +518,15 @@ class Planner(keras.callbacks.Callback):
                   f"{self._sharing} replicas)")
         over = (f"the measured peak {peak_mb:.{d}f} MiB on {self.device} exceeds the "
                 f"budget of {budget}")
+        if self.plan is not None and self.plan is self._lowest_measured:
+            # Planning again would measure the same candidates (a lower target
+            # ends in the same lowest plans): ~40 s of trials for nothing.
+            self._measuring = False
+            warnings.warn(
+                f"tfremat: {over}; the plan in use measured lowest of the plans tried "
+                "when planning (see the warning then): training goes on with it. Lower "
+                "the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
+            return
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
             tried = (f"after {self.replans} re-plan(s)" if self.replan else
