@@ -567,3 +567,71 @@ def test_every_unit_predicted_at_or_above_no_plan_is_not_a_resort(monkeypatch):
 
     monkeypatch.setattr(api, "unplanned", no_plan_as_low)
     assert api.every_unit_like(graph, like) is None
+
+
+class SlowInstallation(FakeInstallation):
+    """Each measurement takes `seconds` of a fake clock (as an XLA compile does)."""
+
+    seconds = 40.0
+    clock = [0.0]
+
+    def measure_peak(self, **kwargs):
+        SlowInstallation.clock[0] += self.seconds
+        return super().measure_peak(**kwargs)
+
+
+@pytest.fixture
+def slow_measure(monkeypatch):
+    FakeInstallation.measured = []
+    SlowInstallation.clock = [0.0]
+    monkeypatch.setattr(api, "PlanInstallation", SlowInstallation)
+    monkeypatch.setattr(api.time, "perf_counter", lambda: SlowInstallation.clock[0])
+    return SlowInstallation
+
+
+def test_measuring_stops_at_its_time_limit_and_chooses_among_the_plans_measured(
+        slow_measure):
+    """Under XLA every trial compiles its step (a small CNN's planning took 343 s): past the
+    time limit no further plan is measured, the best one measured is chosen, and
+    its details say measuring was cut short."""
+    graph = G.resnet_like(8)
+    budget = int(predicted_floor_bytes(graph) * 1.1)  # x1.3 measured: nothing fits
+
+    def make(b, objective="time"):
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    with pytest.raises(BudgetError) as unlimited:
+        api.measured_choice(None, make(budget), make, time_limit=None)
+    every = len(FakeInstallation.measured)
+    assert every >= 3
+    FakeInstallation.measured = []
+    with pytest.raises(BudgetError, match=r"time limit of 50 s \(measure_time_limit\)") \
+            as limited:
+        api.measured_choice(None, make(budget), make, time_limit=50.0)
+    # 40 s per trial: the second starts at 40 s, under the limit; none after it.
+    assert len(FakeInstallation.measured) == 2 < every
+    chosen = limited.value.measured_plan
+    assert chosen.estimates.details["measure_stopped_s"] == 50.0
+    assert chosen in FakeInstallation.measured
+    assert "measure_stopped_s" not in unlimited.value.measured_plan.estimates.details
+
+
+def test_a_plan_measured_within_the_time_limit_has_no_stop_in_its_details(slow_measure):
+    graph = G.resnet_like(8)
+    budget = int(tfremat.simulate(graph).peak_bytes * 2)  # the first plan has room
+
+    def make(b, objective="time"):
+        return make_plan(graph, b, planner="approx-dp", objective=objective)
+
+    chosen = api.measured_choice(None, make(budget), make, time_limit=10.0)
+    assert len(FakeInstallation.measured) == 1  # the first plan is measured whatever
+    assert "measure_stopped_s" not in chosen.estimates.details
+
+
+@pytest.mark.parametrize("limit, error", [(0, ValueError), ("5", TypeError),
+                                          (float("inf"), ValueError)])
+def test_a_bad_measure_time_limit_is_refused_at_the_door(limit, error):
+    with pytest.raises(error, match="measure_time_limit must be a .*number of seconds"):
+        tfremat.Planner(100, measure_time_limit=limit)
+    with pytest.raises(error, match="measure_time_limit must be a .*number of seconds"):
+        tfremat.plan(cnn(), 100, batch_size=4, measure=True, measure_time_limit=limit)

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import time
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -27,6 +28,11 @@ from tfremat.simulation import simulate
 
 logger = logging.getLogger("tfremat")
 
+#: Seconds `measured_choice` may spend measuring plans by default. A trial of a
+#: small CNN takes 2-5 s on a 2-core CPU; under XLA every trial compiles its
+#: step, and planning a small CNN for a tight budget took 343 s.
+MEASURE_TIME_LIMIT = 300.0
+
 
 def check_budget_mb(budget_mb: Any, name: str = "budget_mb") -> float:
     """`budget_mb` as a float, or a clear error.
@@ -35,13 +41,23 @@ def check_budget_mb(budget_mb: Any, name: str = "budget_mb") -> float:
         TypeError: not a real number (a string, None, a bool).
         ValueError: not finite, or not positive.
     """
-    if isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real):
-        raise TypeError(f"{name} must be a number of MiB, got {budget_mb!r} "
-                        f"({type(budget_mb).__name__}).")
-    value = float(budget_mb)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite number of MiB, got {budget_mb!r}.")
-    return value
+    return check_positive(budget_mb, name, "MiB")
+
+
+def check_positive(value: Any, name: str, unit: str) -> float:
+    """`value`, a positive finite number of `unit`, as a float, or a clear error.
+
+    Raises:
+        TypeError: not a real number (a string, None, a bool).
+        ValueError: not finite, or not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of {unit}, got {value!r} "
+                        f"({type(value).__name__}).")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of {unit}, got {value!r}.")
+    return number
 
 
 def check_planner(planner: str, objective: str, offload: bool | str = "auto",
@@ -91,6 +107,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
          sample: Any = None, planner: str = "auto", objective: str = "time",
          offload: bool | str = "auto", time_limit: float = 60.0, verbose: int = 0,
          graph: PlanGraph | None = None, measure: bool = False, max_trials: int = 3,
+         measure_time_limit: float | None = MEASURE_TIME_LIMIT,
          strategy: str | None = None, update_in_backward: bool | str = "auto",
          pin_order: bool | str = "auto", **settings: Any) -> Plan:
     """Plans what to recompute so one training step fits `budget_mb`.
@@ -131,6 +148,12 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             catches it.
         max_trials: Most plans measured when `measure` is True (the step
             without recomputation aside).
+        measure_time_limit: Seconds measuring may take when `measure` is True
+            (each plan measured is rewritten, traced, and run for a few steps;
+            under XLA each is compiled too): once they have passed, no further
+            plan is measured and the choice is made among those measured (the
+            plan's `estimates.details["measure_stopped_s"]` says so). None for
+            no limit.
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward
             pass, freeing weight gradients as soon as they are used
@@ -182,6 +205,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     objective = deprecated_strategy(strategy, objective)
     budget_mb = check_budget_mb(budget_mb)
     check_planner(planner, objective, offload, update_in_backward, pin_order)
+    if measure_time_limit is not None:
+        measure_time_limit = check_positive(measure_time_limit, "measure_time_limit",
+                                            "seconds")
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     if planner in ("auto", "dqn"):
@@ -215,13 +241,15 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             if not measure:
                 raise
             result = measured_floor(model, e, make, batch_size=batch_size, sample=sample,
-                                    unplanned=bare, fixed=fixed)
+                                    unplanned=bare, fixed=fixed,
+                                    time_limit=measure_time_limit)
         else:
             if measure:
                 try:
                     result = measured_choice(model, result, make, batch_size=batch_size,
                                              sample=sample, max_trials=max_trials,
-                                             unplanned=bare, fixed=fixed)
+                                             unplanned=bare, fixed=fixed,
+                                             time_limit=measure_time_limit)
                 except BudgetError as e:
                     e.measured_plan.graph = graph
                     raise
@@ -259,7 +287,8 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
                     batch_size: int | None = None, sample: Any = None,
                     max_trials: int = 3,
                     unplanned: Callable[[Plan], Plan] | None = None,
-                    fixed: Callable[[Plan], list[Plan]] | None = None) -> Plan:
+                    fixed: Callable[[Plan], list[Plan]] | None = None,
+                    time_limit: float | None = MEASURE_TIME_LIMIT) -> Plan:
     """The plan of least predicted overhead whose measured peak fits the budget
     with room for its spread.
 
@@ -299,6 +328,10 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
             ladder.
         fixed: `fixed(plan)` are plans like `plan` whose segments do not
             come from the prediction (see `fixed_plans`); None tries none.
+        time_limit: Seconds after which no further plan is measured (the
+            first always is); the choice is then made among those measured,
+            and the chosen plan's details (or the BudgetError) say so. None
+            for no limit.
 
     Returns:
         The chosen plan; its estimate details hold `"measured_peak_bytes"` and
@@ -313,52 +346,62 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     candidates, lowest = _candidates(first, make)
     return _choose(model, first, candidates, lowest, make, batch_size=batch_size,
                    sample=sample, max_trials=max_trials, unplanned=unplanned,
-                   fixed=fixed)
+                   fixed=fixed, time_limit=time_limit)
 
 
 def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Plan,
             make: Callable[..., Plan], *, batch_size: int | None, sample: Any,
             max_trials: int, unplanned: Callable[[Plan], Plan] | None,
-            fixed: Callable[[Plan], list[Plan]] | None) -> Plan:
+            fixed: Callable[[Plan], list[Plan]] | None,
+            time_limit: float | None) -> Plan:
     """`measured_choice` among `candidates` (`first` first), then its last
     resorts from `lowest` on."""
     budget = first.budget_bytes
     roomy = _room(budget)
     trials: list[tuple[Plan, int]] = []
     measured_keys: set[str] = set()
+    started = time.perf_counter()
+    stopped: list[float] = []  # the time limit, once it kept a plan from being measured
+
+    def out_of_time() -> bool:
+        if (trials and time_limit is not None
+                and time.perf_counter() - started > time_limit):
+            stopped[:] = [time_limit]
+        return bool(stopped)
 
     def measure(plan: Plan) -> None:
-        measured_keys.add(_key(plan))
-        trials.append((plan, _trial(model, plan, budget, batch_size, sample)))
+        if not out_of_time():
+            measured_keys.add(_key(plan))
+            trials.append((plan, _trial(model, plan, budget, batch_size, sample)))
 
-    def has_room() -> bool:
-        return any(m <= roomy for _, m in trials)
+    def done() -> bool:
+        return any(m <= roomy for _, m in trials) or out_of_time()
 
     ratio = 1.0
     plan: Plan | None = first
     while plan is not None and len(trials) < max(1, max_trials):
         candidates = [p for p in candidates if p is not plan]
         measure(plan)
-        if has_room():
+        if done():
             break
         ratio = trials[-1][1] / max(plan.peak_bytes, 1)
         plan = next((p for p in candidates if p.peak_bytes * ratio <= roomy), None)
     for resort in _resorts(lowest, first, make, unplanned, fixed):
-        if has_room():
+        if done():
             break
         if _key(resort) not in measured_keys:
             measure(resort)
-    if unplanned is not None and not has_room():
+    if unplanned is not None and not done():
         measure(unplanned(first))
     # Nothing fits: the lowest of several noisy measurements is a lucky one, so
     # the plan of lowest measured peak is measured again until that plan has
     # been measured twice (its higher measurement counts).
     while not any(m <= budget for _, m in trials):
         plan, _, times = min(_by_plan(trials), key=lambda t: t[1])
-        if times > 1:
+        if times > 1 or out_of_time():
             break
         measure(plan)
-    return _conclude(trials, budget, first.planner)
+    return _conclude(trials, budget, first.planner, stopped[0] if stopped else None)
 
 
 def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
@@ -371,9 +414,11 @@ def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
     return list(seen.values())
 
 
-def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan:
+def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str,
+              stopped: float | None = None) -> Plan:
     """The plan `measured_choice` chooses among `(plan, measured peak)` trials
-    (see there), its measurements recorded, or its BudgetError."""
+    (see there), its measurements recorded, or its BudgetError; `stopped`: the
+    time limit that ended measuring, if one did."""
     roomy = _room(budget)
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
                "overhead": p.estimates.overhead if p.estimates else 0.0,
@@ -387,13 +432,18 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str) -> Plan
     if chosen.estimates is not None:
         chosen.estimates = dataclasses.replace(chosen.estimates, details={
             **chosen.estimates.details, "measured_peak_bytes": measured, "trials": record,
-            "planned_for_bytes": chosen.budget_bytes})
+            "planned_for_bytes": chosen.budget_bytes,
+            **({"measure_stopped_s": stopped} if stopped is not None else {})})
     chosen.budget_bytes = budget
     if not fitting:
+        how = (f"measured twice (the higher), plus {MEASURED_SPREAD:.0%}"
+               if stopped is None else
+               f"plus {MEASURED_SPREAD:.0%}; measuring stopped at its time limit of "
+               f"{stopped:g} s (measure_time_limit), before every plan was tried")
         error = BudgetError(
             budget, math.ceil(measured * (1 + MEASURED_SPREAD)), planner,
-            f"The minimum is the plan that measured lowest, measured twice (the "
-            f"higher), plus {MEASURED_SPREAD:.0%}. {len(trials)} measurement(s):\n"
+            f"The minimum is the plan that measured lowest, {how}. "
+            f"{len(trials)} measurement(s):\n"
             + "\n".join("  " + trial_text(r, "-> measured") for r in record),
             measured=True)
         error.measured_plan = chosen
@@ -493,7 +543,8 @@ def _trial(model: keras.Model, plan: Plan, budget: int, batch_size: int | None,
 def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., Plan], *,
                    batch_size: int | None = None, sample: Any = None,
                    unplanned: Callable[[Plan], Plan] | None = None,
-                   fixed: Callable[[Plan], list[Plan]] | None = None) -> Plan:
+                   fixed: Callable[[Plan], list[Plan]] | None = None,
+                   time_limit: float | None = MEASURE_TIME_LIMIT) -> Plan:
     """Measures the plan of lowest predicted peak when its prediction is over budget.
 
     A predicted minimum is only as good as the prediction: a second run at a
@@ -509,6 +560,7 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
         unplanned: As for `measured_choice`.
         fixed: As for `measured_choice`: measured when the plan of lowest
             predicted peak measures over the budget.
+        time_limit: As for `measured_choice`.
 
     Returns:
         That plan (or one of `fixed`'s, or the one without segments or offloads,
@@ -529,7 +581,7 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
     try:  # every budget below the floor would plan `lowest` again
         return _choose(model, lowest, [lowest], lowest, make, batch_size=batch_size,
                        sample=sample, max_trials=1, unplanned=unplanned,
-                       fixed=fixed)
+                       fixed=fixed, time_limit=time_limit)
     except BudgetError as measured:
         raise BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,
@@ -636,7 +688,8 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             strategy: str | None = None,
             update_in_backward: bool | str = "auto",
             pin_order: bool | str = "auto", measure: bool = False,
-            max_trials: int = 3) -> keras.Model:
+            max_trials: int = 3,
+            measure_time_limit: float | None = MEASURE_TIME_LIMIT) -> keras.Model:
     """Returns a model sharing `model`'s layers and weights whose step fits.
 
     Either pass a `Plan`, or a `budget_mb` (with `batch_size` or `sample`) to plan
@@ -663,6 +716,7 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         measure: For planning: measure candidate plans on the device and
             return one that measured within the budget (see `tfremat.plan`).
         max_trials: For planning with `measure` (see `tfremat.plan`).
+        measure_time_limit: For planning with `measure` (see `tfremat.plan`).
 
     Returns:
         The rewritten model, or `model` itself when the plan is empty (the
@@ -683,8 +737,8 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
             raise ValueError("Pass a Plan, or budget_mb=... to plan first.")
         plan_or_none = plan(model, budget_mb, batch_size=batch_size, sample=sample,
                             planner=planner, objective=objective, measure=measure,
-                            max_trials=max_trials, update_in_backward=update_in_backward,
-                            pin_order=pin_order)
+                            max_trials=max_trials, measure_time_limit=measure_time_limit,
+                            update_in_backward=update_in_backward, pin_order=pin_order)
     elif not isinstance(plan_or_none, Plan):
         raise TypeError(f"rewrite takes a tfremat.Plan, not {type(plan_or_none).__name__}.")
     if plan_or_none.is_empty:

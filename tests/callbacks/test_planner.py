@@ -626,3 +626,25 @@ def test_the_plan_that_measured_lowest_is_not_planned_again(monkeypatch):
     assert "trains with the plan that measured lowest" in said[0]
     assert "measured lowest of the plans tried" in said[1]
     assert len(hist.history["loss"]) == 2
+
+
+def test_the_planner_says_when_measuring_stopped_at_its_time_limit(monkeypatch):
+    x, y = data(2)
+    measured = []
+
+    class OverBudget:
+        """Every trial measures twice the budget."""
+
+        def __init__(self, model, plan, *, jit_compile=None):
+            self.plan = plan
+
+        def measure_peak(self, **kwargs):
+            measured.append(self.plan)
+            return int(2 * 40 * 2**20)
+
+    monkeypatch.setattr(planner_module.api, "PlanInstallation", OverBudget)
+    planner = tfremat.Planner(40, verbose=0, replan=False, measure_time_limit=1e-6)
+    with pytest.warns(RuntimeWarning, match=r"time limit of 1e-06 s \(measure_time_limit\)"):
+        make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    assert len(measured) == 1  # the first plan only
+    assert planner.plan.estimates.details["measure_stopped_s"] == 1e-6

@@ -90,6 +90,10 @@ class Planner(keras.callbacks.Callback):
             one that measured lowest, with a warning). Not done under a
             `tf.distribute` strategy with several replicas.
         max_trials: Most plans measured before training.
+        measure_time_limit: Seconds measuring may take, each time the
+            callback plans (300 by default; None for no limit): once passed,
+            it trains with the best plan measured so far and says so. Under
+            XLA every plan measured is compiled first.
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward pass
             (see `tfremat.plan`): `"auto"` (the default: under a binding
@@ -129,7 +133,9 @@ class Planner(keras.callbacks.Callback):
                  offload: bool | str = "auto", verbose: int = 1, export: str | None = None,
                  plot: str | None = None, log_memory: bool = True, log_batches: bool = False,
                  replan: bool = True, max_replans: int = 2, measure: bool = True,
-                 max_trials: int = 3, strategy: str | None = None,
+                 max_trials: int = 3,
+                 measure_time_limit: float | None = api.MEASURE_TIME_LIMIT,
+                 strategy: str | None = None,
                  update_in_backward: bool | str = "auto",
                  pin_order: bool | str = "auto") -> None:
         super().__init__()
@@ -159,6 +165,8 @@ class Planner(keras.callbacks.Callback):
         self.max_replans = max_replans
         self.measure = measure
         self.max_trials = max_trials
+        self.measure_time_limit = (None if measure_time_limit is None else api.check_positive(
+            measure_time_limit, "measure_time_limit", "seconds"))
         self.update_in_backward = update_in_backward
         self.pin_order = pin_order
         self.device = device_name()
@@ -371,6 +379,7 @@ class Planner(keras.callbacks.Callback):
                             objective=self.objective, offload=self.offload,
                             verbose=self.verbose, sample=sample if measure else None,
                             measure=measure, max_trials=self.max_trials,
+                            measure_time_limit=self.measure_time_limit,
                             update_in_backward=self.update_in_backward,
                             pin_order=self.pin_order)
 
@@ -437,7 +446,10 @@ class Planner(keras.callbacks.Callback):
                     "tfremat: measured before training: "
                     + "; ".join(api.trial_text(t) for t in details["trials"])
                     + f" (budget {self.budget_mb:.1f} MiB); training with the plan "
-                      f"measured at {details['measured_peak_bytes'] / MIB:.1f} MiB.")
+                      f"measured at {details['measured_peak_bytes'] / MIB:.1f} MiB"
+                    + (f", the best measured when measuring stopped at its time limit of "
+                       f"{details['measure_stopped_s']:g} s (measure_time_limit)."
+                       if "measure_stopped_s" in details else "."))
         if self.export:
             try:
                 self.picture = write_picture(plan, self.export, graph=self.graph)
