@@ -397,7 +397,7 @@ class Planner(keras.callbacks.Callback):
             if e.measured_plan is None:
                 raise
             # The prediction fits but no plan measured within the budget: train
-            # with the lowest, and say so (re-planning may still go lower).
+            # with the lowest, and say so (and do not re-plan: see `_over_budget`).
             warnings.warn(f"tfremat: {e}\nThis fit trains with the plan that measured "
                           "lowest.", RuntimeWarning, stacklevel=2)
             self._lowest_measured = e.measured_plan
