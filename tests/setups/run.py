@@ -51,6 +51,8 @@ class EpochPeaks(keras.callbacks.Callback):
 
 def fit(name: str, callbacks: list) -> keras.Model:
     setup = build(name)
+    if setup.deterministic_ops:
+        tf.config.experimental.enable_op_determinism()
     setup.model.fit(setup.x, setup.y, epochs=EPOCHS, verbose=0, shuffle=False,
                     callbacks=callbacks, **setup.fit_kwargs)
     return setup.model
