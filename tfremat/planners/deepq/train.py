@@ -10,7 +10,9 @@ the same exploration and the same replay samples, so the same weights come out
 with `OMP_NUM_THREADS=1`): on these small matrices, BLAS threads fighting over
 2 cores made each forward pass about 5 times slower. The shipped run took 798 s on this
 project's 2-core machine while other tests ran beside it; a second run gave the
-same weights, bit for bit, in 715 s. It prints the mean
+same weights, bit for bit, in 715 s. On another CPU (an AMD EPYC reporting AVX512)
+it trains other weights, the same from run to run (docs/choosing-a-planner.md).
+It prints the mean
 loss every 100 episodes and, at the end, how many held-out graphs and budgets
 the greedy policy meets (27 of 40 for the shipped weights; random weights met
 0 to 18).
