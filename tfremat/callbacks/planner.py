@@ -532,7 +532,7 @@ class Planner(keras.callbacks.Callback):
                 f"budget of {budget}")
         if self.plan is not None and self.plan is self._lowest_measured:
             # Planning again would measure the same candidates (a lower target
-            # ends in the same lowest plans): ~40 s of trials for nothing.
+            # ends in the same lowest plans): a small CNN's fit took 86 s, not 35.
             self._measuring = False
             warnings.warn(
                 f"tfremat: {over}; the plan in use measured lowest of the plans tried "
