@@ -601,7 +601,7 @@ def test_a_peak_over_the_budget_says_why_it_was_not_replanned():
 def test_the_plan_that_measured_lowest_is_not_planned_again(monkeypatch):
     """When planning measured every candidate over the budget, the Planner trains
     with the lowest and says so; a training step over the budget then must not
-    run the same trials again (a tight budget spent ~40 s on them, to end in the
+    run the same trials again (a tight budget spent ~50 s on them, to end in the
     plan in use) but warn once more and go on."""
     x, y = data(2)
     calls = []
