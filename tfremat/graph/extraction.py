@@ -92,6 +92,7 @@ class _Dataflow:
         self.threads = threads
         self.concurrent = threads > 1
         self.index = {op.name: i for i, op in enumerate(ops)}
+        self.dead = _dead_ops(ops, self.index)
         self.root: dict[_Root, _Root] = {}
         self.size: dict[_Root, int] = {}
         self.readers: dict[_Root, list[int]] = collections.defaultdict(list)
@@ -102,11 +103,14 @@ class _Dataflow:
                     self.root[(i, j)] = self.root_of(src)
                 else:
                     self.root[(i, j)] = (i, j)
-                    free = op.type in costs.FREE_OPS or op.type == "Placeholder"
+                    free = (op.type in costs.FREE_OPS or op.type == "Placeholder"
+                            or i in self.dead)
                     self.size[(i, j)] = 0 if free else costs.output_bytes(op, j)
         # Readers in a second pass: computing a loop's gradient adds inputs made
         # later (its accumulators' empty lists) to the forward `While` op.
         for i, op in enumerate(ops):
+            if i in self.dead:
+                continue
             for t in op.inputs:
                 self.readers[self.root_of(t)].append(i)
 
@@ -127,6 +131,24 @@ class _Dataflow:
 
     def root_of(self, t: tf.Tensor) -> _Root:
         return self.root[(self.index[t.op.name], t.value_index)]
+
+
+def _dead_ops(ops: list[tf.Operation], index: dict[str, int]) -> set[int]:
+    """Indices of the ops Grappler prunes before the step runs: stateless ops
+    whose results reach neither the function's outputs nor a stateful op (the
+    gradient of a `SelectV2` with respect to its constant branch, which
+    Keras's dropout makes: a tensor of the activation's size, never read;
+    the gradient of the model's input)."""
+    graph = ops[0].graph if ops else None
+    fetched = {t.op.name for t in getattr(graph, "outputs", None) or []}
+    live = [False] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        live[i] = (op.op_def.is_stateful or not op.outputs or op.name in fetched
+                   or bool(op._control_outputs)  # an op waits for it
+                   or any(c.name not in index or live[index[c.name]]
+                          for t in op.outputs for c in t.consumers()))
+    return {i for i, alive in enumerate(live) if not alive}
 
 
 def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
