@@ -360,14 +360,14 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
     roomy = _room(budget)
     trials: list[tuple[Plan, int]] = []
     measured_keys: set[str] = set()
-    started = time.perf_counter()
-    stopped: list[float] = []  # the time limit, once it kept a plan from being measured
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
+    stopped = False  # the time limit kept a plan from being measured
 
     def out_of_time() -> bool:
-        if (trials and time_limit is not None
-                and time.perf_counter() - started > time_limit):
-            stopped[:] = [time_limit]
-        return bool(stopped)
+        nonlocal stopped
+        stopped = stopped or bool(trials and deadline is not None
+                                  and time.perf_counter() > deadline)
+        return stopped
 
     def measure(plan: Plan) -> None:
         if not out_of_time():
@@ -401,7 +401,7 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
         if times > 1 or out_of_time():
             break
         measure(plan)
-    return _conclude(trials, budget, first.planner, stopped[0] if stopped else None)
+    return _conclude(trials, budget, first.planner, time_limit if stopped else None)
 
 
 def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
