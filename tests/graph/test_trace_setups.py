@@ -70,6 +70,44 @@ def test_an_unbuilt_optimizer_gives_the_bare_graph(bare_conv_graph):
     assert_same_graph(tfremat.extract(model, batch_size=4), bare_conv_graph)
 
 
+def test_planning_leaves_an_unbuilt_optimizer_unbuilt_so_a_layer_unfrozen_later_trains():
+    model = conv_stack()
+    model.get_layer("conv0").trainable = False
+    optimizer = keras.optimizers.Adam(1e-3)
+    model.compile(optimizer=optimizer, loss="categorical_crossentropy")
+    graph = tfremat.extract(model, batch_size=4)
+    tfremat.rewrite(model, budget_mb=64, batch_size=4)
+    assert not optimizer.built and len(optimizer.variables) == 2  # iterations, learning rate
+    # The graph still counts the slots the step's Adam makes (two per weight).
+    weights = graph.persistent_bytes["weights"]
+    assert graph.persistent_bytes["optimizer"] >= 2 * weights
+    # Built on the frozen model's variables, it would refuse conv0's kernel here.
+    model.get_layer("conv0").trainable = True
+    model.compile(optimizer=optimizer, loss="categorical_crossentropy")
+    x = tf.random.normal((4, 16, 16, 3))
+    y = tf.one_hot([1, 2, 3, 4], 10)
+    model.fit(x, y, epochs=1, verbose=0)
+    assert optimizer.built
+
+
+class ScaledSGD(keras.optimizers.SGD):
+    """An optimizer whose config does not say how to make it again."""
+
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+
+def test_an_unbuilt_optimizer_that_cannot_be_copied_is_refused_untouched_by_planning():
+    model = conv_stack()
+    model.compile(optimizer=ScaledSGD(0.5), loss="categorical_crossentropy")
+    with pytest.raises(UnsupportedModelError, match="Build it first"):
+        tfremat.extract(model, batch_size=4)
+    assert not model.optimizer.built
+    model.optimizer.build(model.trainable_variables)  # what the message advises
+    assert tfremat.extract(model, batch_size=4).persistent_bytes["optimizer"] > 0
+
+
 def test_a_model_loaded_from_keras_file_gives_the_bare_graph(bare_conv_graph, tmp_path):
     model = conv_stack()
     model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])

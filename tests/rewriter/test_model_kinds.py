@@ -132,3 +132,35 @@ def test_a_plan_made_by_tracing_fits_a_model_whose_second_input_is_read_late():
     batch = {"image": np.random.default_rng(0).standard_normal((2, 16, 16, 3), "float32"),
              "meta": np.random.default_rng(1).standard_normal((2, 4), "float32")}
     h.assert_same_step(model, rewritten, batch)
+
+
+def test_outputs_made_inside_a_segment_keep_their_names(tmp_path):
+    """A loss dict, per-output metrics and History name a model's outputs
+    after the layers that make them; the rewritten model's are made inside a
+    segment, and must still answer to the original names."""
+    keras.utils.set_random_seed(19)
+    inp = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c0")(inp)
+    aux = keras.layers.Dense(4, activation="softmax", name="aux")(
+        keras.layers.GlobalAveragePooling2D(name="p0")(x))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(x)
+    main = keras.layers.Dense(4, activation="softmax", name="main")(
+        keras.layers.GlobalAveragePooling2D(name="p1")(x))
+    model = keras.Model(inp, [main, aux])
+    settings = dict(optimizer="sgd", loss={"main": "sparse_categorical_crossentropy",
+                                           "aux": "sparse_categorical_crossentropy"},
+                    metrics={"main": ["accuracy"]})
+    rewritten = rewrite_model(model, h.plan_for(model, [["c0", "p0", "aux", "c1"],
+                                                        ["p1", "main"]]))
+    assert rewritten.output_names == ["main", "aux"]
+    x_batch = np.random.default_rng(0).standard_normal((4, 8, 8, 3), "float32")
+    y = {"main": np.array([0, 1, 2, 3]), "aux": np.array([3, 2, 1, 0])}
+    weights = h.snapshot(model)
+    model.compile(**settings)
+    want = model.train_on_batch(x_batch, y, return_dict=True)
+    h.restore(model, weights)
+    rewritten.compile(**settings)
+    got = rewritten.train_on_batch(x_batch, y, return_dict=True)
+    assert got == want  # the same keys, the same numbers (losses from the logits)
+    rewritten.save(tmp_path / "r.keras")
+    assert keras.models.load_model(tmp_path / "r.keras").output_names == ["main", "aux"]

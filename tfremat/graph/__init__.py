@@ -16,13 +16,14 @@ from tfremat.graph.extraction import extract  # noqa: E402
 from tfremat.graph.keras_graph import (CallSite, as_functional, fingerprint,  # noqa: E402
                                        is_subclassed, structure_graph, walk,
                                        walk_with_outputs)
-from tfremat.graph.training_state import stand_ins  # noqa: E402
+from tfremat.graph.training_state import forgetting_custom_gradients, stand_ins  # noqa: E402
 from tfremat.graph.timing import measure_layer_times  # noqa: E402
 from tfremat.graph.tracing import (TRACE_ERRORS, TracedStep, batch_specs,  # noqa: E402
                                  require_built, step_function, target_candidates, trace,
                                  untraceable)
 
 __all__ = ["TRACE_ERRORS", "CallSite", "TracedStep", "as_functional", "batch_specs",
-           "extract", "fingerprint", "is_subclassed", "measure_layer_times",
+           "extract", "fingerprint", "forgetting_custom_gradients", "is_subclassed",
+           "measure_layer_times",
            "require_built", "stand_ins", "step_function", "structure_graph",
            "target_candidates", "trace", "untraceable", "walk", "walk_with_outputs"]

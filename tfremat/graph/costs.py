@@ -77,6 +77,11 @@ def tensor_bytes(t: tf.Tensor) -> int:
     return int(np.prod(shape.as_list(), dtype=np.int64)) * size
 
 
+def variable_bytes(variables: list) -> int:
+    """Bytes of `variables` (weights, optimizer slots: static shapes)."""
+    return int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables))
+
+
 def output_bytes(op: tf.Operation, j: int) -> int:
     """Bytes of output `j` of `op`; for a loop's TensorList output, the bytes of
     the elements it gathers over all iterations."""

@@ -13,7 +13,6 @@ import collections
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import require_tensorflow
@@ -21,7 +20,7 @@ from tfremat.graph import costs
 from tfremat.core import Node, PlanGraph, TensorInfo, UnsupportedModelError
 from tfremat.graph.kernels import KernelWorkspaces, measure_kernel_workspaces
 from tfremat.graph.timing import measure_layer_times
-from tfremat.graph.tracing import TracedStep, trace
+from tfremat.graph.tracing import CALL_SCOPE, TracedStep, trace
 
 LOSS = "<loss>"
 UPDATE = "<update>"
@@ -168,21 +167,34 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
             waits[flow.index[c.name]] for c in op.control_inputs)
         owner[i] = UPDATE if waits[i] else METRICS
     # Backward ops: "gradient_tape/<forward op or scope>/..." names the forward
-    # op whose gradient they compute.
+    # op whose gradient they compute. A recompute inside a call (`keras.remat`,
+    # `tf.recompute_grad`) runs the call's sublayers again in the backward
+    # pass, in scopes named after theirs but outside the call's ("<sublayer
+    # scope>/...", gradients "gradient_tape/<sublayer scope>/..."): the scope
+    # of a sublayer, right below the call's own, names its call too.
+    sublayers = {s.id: {layer.name for layer in s.operation._flatten_layers(include_self=False)}
+                 for s in traced.sites
+                 if not s.is_input and isinstance(s.operation, keras.layers.Layer)}
     scope_owner: dict[str, str | None] = {}
+
+    def own(scope: str, site: str) -> None:
+        prev = scope_owner.get(scope, site)
+        scope_owner[scope] = site if prev == site else None
+
     for i in range(traced.backward_start):
-        if owner[i] is None:
+        site = owner[i]
+        if site is None:
             continue
         parts = traced.ops[i].name.split("/")
         for k in range(1, len(parts) + 1):
-            scope = "/".join(parts[:k])
-            prev = scope_owner.get(scope, owner[i])
-            scope_owner[scope] = owner[i] if prev == owner[i] else None
+            own("/".join(parts[:k]), site)
+        if CALL_SCOPE in parts[:-2]:
+            scope = parts[parts.index(CALL_SCOPE) + 1]  # made unique: "<name>_<n>"
+            if {scope, scope.rpartition("_")[0]} & sublayers.get(site, set()):
+                own(scope, site)
     for i in range(traced.backward_start, traced.backward_end):
         name = traced.ops[i].name
-        if not name.startswith("gradient_tape/"):
-            continue
-        parts = name[len("gradient_tape/"):].split("/")
+        parts = name.removeprefix("gradient_tape/").split("/")
         for k in range(len(parts), 0, -1):
             found = scope_owner.get("/".join(parts[:k]))
             if found is not None:
@@ -457,8 +469,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         param_bytes = 0
         if site.layer_key not in params_seen:
             params_seen.add(site.layer_key)
-            param_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
-                              for w in weights)
+            param_bytes = costs.variable_bytes(weights)
         root_op = ops[out_roots[0][0]] if len(outs) == 1 else None
         inplace = bool(
             root_op is not None and root_op.type in costs.ELEMENTWISE_OPS
@@ -503,16 +514,10 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     update_ws = _peak_of_temporaries(update_pos, flow, lambda r: r not in packs)
     output_refs = traced.output_refs or _dynamic_outputs(owner, flow, out_ref)
 
-    def var_bytes(variables: list) -> int:
-        return int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-                       for v in variables))
-
-    optimizer = getattr(model, "optimizer", None)
     persistent = {
-        "weights": var_bytes(model.trainable_weights),
-        "other": var_bytes(model.non_trainable_weights),
-        "optimizer": var_bytes(optimizer.variables) if optimizer is not None
-        and model.compiled else 0,
+        "weights": costs.variable_bytes(model.trainable_weights),
+        "other": costs.variable_bytes(model.non_trainable_weights),
+        "optimizer": traced.optimizer_bytes,
         "batch": int(sum(costs.tensor_bytes(ops[i].outputs[0]) for i in placeholders)),
     }
     if packs:

@@ -23,8 +23,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.core import UnsupportedModelError
+from tfremat.graph import costs
 from tfremat.graph.keras_graph import CallSite, is_subclassed, walk_with_outputs
-from tfremat.graph.training_state import stand_ins
+from tfremat.graph.training_state import forgetting_custom_gradients, stand_ins
 
 
 @dataclasses.dataclass
@@ -45,6 +46,9 @@ class TracedStep:
         seconds: Time the trace took.
         replicas: `num_replicas_in_sync` of the `tf.distribute` strategy the
             step was traced through (1 outside a strategy's scope).
+        optimizer_bytes: Bytes of the variables of the optimizer the step
+            updates with, built (slots included); 0 when the model is not
+            compiled.
     """
 
     ops: list[tf.Operation]
@@ -58,6 +62,7 @@ class TracedStep:
     input_specs: Any
     seconds: float
     replicas: int = 1
+    optimizer_bytes: int = 0
 
 
 def batch_specs(model: keras.Model, *, batch_size: int | None = None,
@@ -222,7 +227,7 @@ def _sparse_targets(model: keras.Model, x_spec: Any) -> Any:
 
 
 #: The name scope each recorded call runs in (made unique by TensorFlow).
-_CALL_SCOPE = "tfremat_call"
+CALL_SCOPE = "tfremat_call"
 
 
 class _Recorder:
@@ -240,7 +245,8 @@ class _Recorder:
     Attributes:
         graph: The graph of the last run.
         log: `(site id, start, end, outputs)` per layer call, in call order.
-        grad_marks: `(start, end)` op counts around each `tape.gradient`.
+        grad_marks: `(start, end)` op counts around each `tape.gradient`
+            not called from inside another.
         extra_calls: Layers called more often than the model's graph calls
             them: `name -> (calls, calls in the graph)`.
     """
@@ -319,7 +325,7 @@ class _Recorder:
             start = self._op_count()
             # A scope of its own names the call's gradient ops after it too;
             # a bare keras.ops call has no Keras scope.
-            with tf.name_scope(_CALL_SCOPE):
+            with tf.name_scope(CALL_SCOPE):
                 out = original(*args, **kwargs)
             self._record(key, start, out)
             return out
@@ -333,10 +339,20 @@ class _Recorder:
             op.call = self._wrap(key, op.call)
         original_gradient = tf.GradientTape.gradient
 
+        depth = 0
+
         def gradient(tape, *args, **kwargs):
+            # A gradient taken while computing another (the recompute of a
+            # `keras.remat` or `tf.recompute_grad` inside the model) is part
+            # of the outer one's range, not a backward pass of its own.
+            nonlocal depth
             start = self._op_count()
-            result = original_gradient(tape, *args, **kwargs)
-            if start is not None:
+            depth += 1
+            try:
+                result = original_gradient(tape, *args, **kwargs)
+            finally:
+                depth -= 1
+            if start is not None and depth == 0:
                 self.grad_marks.append((start, self._op_count()))
             return result
 
@@ -432,33 +448,39 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
                 continue
             sites_by_op.setdefault(id(s.operation), []).append(s.id)
             ops_of[id(s.operation)] = s.operation
-    step = step_function(model)
-    trace_step = _in_replica_context(step)
     replicas = (tf.distribute.get_strategy().num_replicas_in_sync
                 if tf.distribute.in_cross_replica_context() else 1)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     errors: list[Exception] = []
     recorder = _Recorder(sites_by_op, ops_of)
-
-    def recorded_step(x: Any, y: Any) -> Any:
-        recorder.start_trace(x)
-        return trace_step(x, y)
-
     for y in candidates:
         started = time.perf_counter()
-        try:
-            # The compiled loss and metrics the step would build are copies,
-            # built here as fit builds them: built in the traced graph, which
-            # never runs, the user's would keep uninitialised variables (a dict
-            # of losses' trackers), and a step that builds traces twice.
-            with stand_ins(model, optimizer=False) as replaced:
+        # What the step would build (an unbuilt optimizer, the compiled loss
+        # and metrics) are copies, built here as fit builds them: built in the
+        # traced graph, which never runs, the user's loss and metrics would keep
+        # uninitialised variables (a dict of losses' trackers), and a step that
+        # builds traces twice; a built optimizer refuses variables it was not
+        # built with (a layer unfrozen later). The traced step is only read.
+        with forgetting_custom_gradients(), stand_ins(model) as replaced:
+            trace_step = _in_replica_context(step_function(model))
+
+            def recorded_step(x: Any, y: Any) -> Any:
+                recorder.start_trace(x)
+                return trace_step(x, y)
+
+            try:
                 if replaced:
                     model._symbolic_build(data_batch=(x_spec, y))
                 with recorder.installed():
                     concrete = tf.function(recorded_step).get_concrete_function(x_spec, y)
-        except TRACE_ERRORS as e:
-            errors.append(e)
-            continue
+            except UnsupportedModelError:
+                raise
+            except TRACE_ERRORS as e:
+                errors.append(e)
+                continue
+            optimizer = getattr(model, "optimizer", None)
+            optimizer_bytes = (costs.variable_bytes(optimizer.variables)
+                               if optimizer is not None and model.compiled else 0)
         seconds = time.perf_counter() - started
         break
     else:
@@ -493,7 +515,8 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
         ops=ops, sites=sites, ranges=ranges, call_outputs=call_outputs,
         output_refs=output_refs, forward_end=previous_end, backward_start=grad_start,
         backward_end=grad_end, input_specs=(x_spec, y), seconds=seconds,
-        replicas=replicas)
+        replicas=replicas, optimizer_bytes=optimizer_bytes)
+
 
 
 def _in_replica_context(step: Any) -> Any:

@@ -245,7 +245,33 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
             env[f"{s.id}:0"] = s.output_tensors[0]
     state.run([s.id for s in sites if not s.is_input], segments, env, "recompute",
               top=True)
-    outputs = tree.pack_sequence_as(functional._outputs_struct,
-                                    [env[ref] for ref in output_refs])
-    return keras.Model(functional._inputs_struct, outputs,
+    flat = [env[ref] for ref in output_refs]
+    rewritten = keras.Model(functional._inputs_struct,
+                            tree.pack_sequence_as(functional._outputs_struct, flat),
+                            name=f"{model.name}_recompute")
+    renamed = _named_outputs(flat, rewritten, functional.output_names)
+    if renamed is None:
+        return rewritten
+    return keras.Model(functional._inputs_struct,
+                       tree.pack_sequence_as(functional._outputs_struct, renamed),
                        name=f"{model.name}_recompute")
+
+
+def _named_outputs(flat: list[Any], rewritten: keras.Model,
+                   names: list[str]) -> list[Any] | None:
+    """The rewritten model's outputs, each made by a layer of the original
+    output's name, or None when they already are (or cannot be).
+
+    Keras names a model's outputs (`output_names`: the keys of a dict of
+    losses or metrics, the names in `History`) after the layers that make them,
+    and a recompute segment or unit made the original layer's output inside
+    it. An `Identity` layer (no copy) takes the original name back, unless two
+    outputs share a name or the name is a layer of the rewritten model.
+    """
+    if rewritten.output_names == names or len(set(names)) < len(names):
+        return None
+    taken = {layer.name for layer in rewritten.layers}
+    pairs = list(zip(flat, rewritten.output_names, names))
+    if any(new != old and old in taken for _, new, old in pairs):
+        return None
+    return [t if new == old else keras.layers.Identity(name=old)(t) for t, new, old in pairs]
