@@ -67,3 +67,16 @@ def test_an_input_shape_that_is_not_three_numbers_is_a_usage_error(shape, capsys
     assert exit_info.value.code == 2
     assert f"--input-shape wants three numbers like 96,96,3, got {shape!r}" in \
         capsys.readouterr().err
+
+
+def test_a_budget_too_small_is_an_error_naming_the_batch_size(tmp_path, capsys):
+    path = tiny_model_file(tmp_path)
+    assert cli.main(["plan", path, "--budget-mb", "0.01", "--batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "smallest feasible budget" in err and "at batch size 4: --batch-size" in err
+
+
+def test_help_gives_the_default_batch_size(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    assert "(default: 16)" in capsys.readouterr().out.replace("\n", " ")

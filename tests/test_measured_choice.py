@@ -142,6 +142,23 @@ def test_a_budget_the_measurement_cannot_meet_states_a_minimum_that_is_met(fake_
     assert int(chosen.peak_bytes * 1.3) <= minimum
 
 
+@pytest.mark.parametrize("predicted_fits", [True, False])
+def test_a_measured_budget_error_names_the_planner_asked_for(fake_measure, predicted_fits):
+    """`auto` chooses among planners; what cannot be met is the user's `auto`,
+    not the one it chose (the Planner said 'approx-dp' or 'chen-sqrt')."""
+    model = cnn()
+    graph = tfremat.extract(model, batch_size=8)
+    with pytest.raises(BudgetError) as predicted:
+        tfremat.plan(model, 1.0, graph=graph)
+    assert predicted.value.planner == "auto"
+    floor_mb = predicted.value.min_budget_mb
+    budget_mb = floor_mb * (1.1 if predicted_fits else 0.9)  # measured x1.3: too high
+    with pytest.raises(BudgetError) as measured:
+        tfremat.plan(model, budget_mb, graph=graph, measure=True, offload=False)
+    assert measured.value.measured and measured.value.planner == "auto"
+    assert "cannot be met by planner 'auto'" in str(measured.value)
+
+
 def test_the_minimum_stated_rests_on_the_lowest_plan_measured_twice(monkeypatch):
     """The lowest of several noisy measurements is a lucky one (a GPT-style
     model's steps move by a quarter, and planning again at a minimum stated from

@@ -328,6 +328,36 @@ def test_an_interrupted_measurement_restores_everything(monkeypatch):
     assert values(all_variables(model)) == before
 
 
+def test_a_second_ctrl_c_during_the_restore_waits_until_everything_is_back(monkeypatch):
+    import signal
+
+    model = stateful_model()
+    state, before = training_state(model), values(all_variables(model))
+    interrupted = []
+
+    def interrupt(device):  # after the warm-up step has run
+        interrupted.append(True)
+        raise KeyboardInterrupt
+
+    owner = next(c for c in type(tf.Variable(0.0)).__mro__ if "assign" in vars(c))
+    original, restored = owner.assign, []
+
+    def assign(self, value, *args, **kwargs):
+        if interrupted:  # the restore
+            restored.append(self)
+            if len(restored) == 2:
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C again, halfway through
+        return original(self, value, *args, **kwargs)
+
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", interrupt)
+    monkeypatch.setattr(owner, "assign", assign)
+    with pytest.raises(KeyboardInterrupt):
+        tfremat.measure_peak(model, batch_size=8)
+    assert len(restored) > 2
+    assert training_state(model) == state
+    assert values(all_variables(model)) == before
+
+
 def test_a_step_creating_variables_is_refused():
     class LazyState(keras.layers.Layer):
         state = None

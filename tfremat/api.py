@@ -11,7 +11,6 @@ import logging
 import math
 import numbers
 import time
-import warnings
 from typing import Any, Callable, Iterator
 
 import keras
@@ -19,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import inter_op_threads
-from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment
+from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment, warn
 from tfremat.graph import extract
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
@@ -97,9 +96,8 @@ def deprecated_strategy(strategy: str | None, objective: str) -> str:
     """The objective, taking the deprecated `strategy=` keyword into account."""
     if strategy is None:
         return objective
-    warnings.warn("tfremat: `strategy=` is now called `objective=` (\"time\" or "
-                  "\"memory\"); `strategy=` will be removed.", DeprecationWarning,
-                  stacklevel=3)
+    warn("tfremat: `strategy=` is now called `objective=` (\"time\" or "
+         "\"memory\"); `strategy=` will be removed.", DeprecationWarning)
     return strategy
 
 
@@ -113,7 +111,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     """Plans what to recompute so one training step fits `budget_mb`.
 
     Args:
-        model: A built Keras model (compiled models use their loss and optimizer).
+        model: A built Keras model. A compiled one is planned with its loss and
+            optimizer; an uncompiled one with a mean-square loss of its outputs
+            and SGD (no optimizer slots): compile it first to plan your step.
         budget_mb: Memory budget of ONE device in MiB (2**20 bytes) for the whole
             step, weights and optimizer state included, as
             `tf.config.experimental.get_memory_info(device)["peak"]` reports it.
@@ -249,7 +249,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
                     result = measured_choice(model, result, make, batch_size=batch_size,
                                              sample=sample, max_trials=max_trials,
                                              unplanned=bare, fixed=fixed,
-                                             time_limit=measure_time_limit)
+                                             time_limit=measure_time_limit, planner=planner)
                 except BudgetError as e:
                     e.measured_plan.graph = graph
                     raise
@@ -288,7 +288,8 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
                     max_trials: int = 3,
                     unplanned: Callable[[Plan], Plan] | None = None,
                     fixed: Callable[[Plan], list[Plan]] | None = None,
-                    time_limit: float | None = MEASURE_TIME_LIMIT) -> Plan:
+                    time_limit: float | None = MEASURE_TIME_LIMIT,
+                    planner: str | None = None) -> Plan:
     """The plan of least predicted overhead whose measured peak fits the budget
     with room for its spread.
 
@@ -332,6 +333,8 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
             first always is); the choice is then made among those measured,
             and the chosen plan's details (or the BudgetError) say so. None
             for no limit.
+        planner: The planner the caller asked for, which a BudgetError names
+            (`first.planner`, the one `auto` chose, when None).
 
     Returns:
         The chosen plan; its estimate details hold `"measured_peak_bytes"` and
@@ -346,14 +349,15 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     candidates, lowest = _candidates(first, make)
     return _choose(model, first, candidates, lowest, make, batch_size=batch_size,
                    sample=sample, max_trials=max_trials, unplanned=unplanned,
-                   fixed=fixed, time_limit=time_limit)
+                   fixed=fixed, time_limit=time_limit,
+                   planner=planner or first.planner)
 
 
 def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Plan,
             make: Callable[..., Plan], *, batch_size: int | None, sample: Any,
             max_trials: int, unplanned: Callable[[Plan], Plan] | None,
             fixed: Callable[[Plan], list[Plan]] | None,
-            time_limit: float | None) -> Plan:
+            time_limit: float | None, planner: str) -> Plan:
     """`measured_choice` among `candidates` (`first` first), then its last
     resorts from `lowest` on."""
     budget = first.budget_bytes
@@ -401,7 +405,7 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
         if times > 1 or out_of_time():
             break
         measure(plan)
-    return _conclude(trials, budget, first.planner, time_limit if stopped else None)
+    return _conclude(trials, budget, planner, time_limit if stopped else None)
 
 
 def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
@@ -581,7 +585,7 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
     try:  # every budget below the floor would plan `lowest` again
         return _choose(model, lowest, [lowest], lowest, make, batch_size=batch_size,
                        sample=sample, max_trials=1, unplanned=unplanned,
-                       fixed=fixed, time_limit=time_limit)
+                       fixed=fixed, time_limit=time_limit, planner=error.planner)
     except BudgetError as measured:
         raise BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,

@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     est = sub.add_parser("estimate", help="predicted peak memory per strategy")
     est.add_argument("model", help="keras.applications name (e.g. resnet50) or .keras file")
-    est.add_argument("--batch-size", type=int, default=16)
+    est.add_argument("--batch-size", type=int, default=16,
+                     help="batch size of the step (default: 16)")
     est.add_argument("--input-shape", default=None, type=_parse_shape, help="e.g. 128,128,3")
     est.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     est.add_argument("--measure", action="store_true",
@@ -167,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("model", help="keras.applications name or .keras file")
     pl.add_argument("--budget-mb", type=float, required=True,
                     help="device budget for a whole step, MiB, weights included")
-    pl.add_argument("--batch-size", type=int, default=16)
+    pl.add_argument("--batch-size", type=int, default=16,
+                    help="batch size of the step planned (default: 16)")
     pl.add_argument("--input-shape", default=None, type=_parse_shape, help="e.g. 128,128,3")
     pl.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     pl.add_argument("--planner", default="auto")
@@ -197,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="train a ResNet-style model under a budget")
-    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--batch-size", type=int, default=32, help="(default: 32)")
     demo.add_argument("--steps", type=int, default=8, help="steps per epoch")
     demo.add_argument("--epochs", type=int, default=2)
     demo.add_argument("--budget-fraction", type=float, default=0.75,
@@ -213,12 +215,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tfremat` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from tfremat.core import TfrematError
+    from tfremat.core import BudgetError, TfrematError
 
     try:
         return args.func(args)
     except (TfrematError, ValueError) as e:
-        print(f"tfremat: error: {e}", file=sys.stderr)
+        batch = (f" (at batch size {args.batch_size}: --batch-size)"
+                 if isinstance(e, BudgetError) and args.command != "demo" else "")
+        print(f"tfremat: error: {e}{batch}", file=sys.stderr)
         return 2
 
 

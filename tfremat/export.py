@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import warnings
 from typing import Any
 
 import pydot
 
-from tfremat.core import MIB, Plan, PlanGraph, Segment, set_plan_views
+from tfremat.core import MIB, Plan, PlanGraph, Segment, set_plan_views, warn
 from tfremat.simulation import simulate
 
 _SEGMENT_COLOURS = ["#cfe8ff", "#d9f2d0", "#ffe8c2", "#ead9ff", "#ffd6e0", "#d6f5f5"]
@@ -182,9 +181,8 @@ def write_picture(plan: Plan, path: str | os.PathLike, *,
         return export_dot(plan, path, graph=graph)
     fallback = os.path.splitext(path)[0] + ".dot"
     export_dot(plan, fallback, graph=graph)
-    warnings.warn(f"tfremat: wrote {fallback} instead of {path}: "
-                  + _NO_GRAPHVIZ.format(fmt=picture_format(path).upper()),
-                  RuntimeWarning, stacklevel=2)
+    warn(f"tfremat: wrote {fallback} instead of {path}: "
+         + _NO_GRAPHVIZ.format(fmt=picture_format(path).upper()), RuntimeWarning)
     return fallback
 
 
@@ -235,6 +233,10 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     lines = [f'Plan for "{graph.name}" by {plan.planner}{batch}', "=" * 72]
     if plan.budget_bytes:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
+    replanned = plan.estimates.details.get("replanned_for_bytes") if plan.estimates else None
+    if replanned:
+        lines.append(f"Re-planned for:  {_mib(replanned)} (the budget less what a training "
+                     "step measured above the prediction)")
     lines += [
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
         f"Measured peak:   {_measured_line(plan)}",

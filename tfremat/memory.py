@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 from typing import Any, Callable, Iterator
 
@@ -13,9 +12,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import NO_STATS_HINT, device_name, require_tensorflow
-from tfremat.core import UnsupportedModelError
-from tfremat.graph import (TRACE_ERRORS, batch_specs, require_built, stand_ins,
-                           step_function, target_candidates, untraceable)
+from tfremat.core import UnsupportedModelError, interrupts_deferred
+from tfremat.graph import (TRACE_ERRORS, batch_specs, forgetting_custom_gradients,
+                           require_built, stand_ins, step_function, target_candidates,
+                           untraceable)
 
 logger = logging.getLogger("tfremat")
 
@@ -129,34 +129,6 @@ def _given_batch(sample: Any) -> tuple[Any, Any] | None:
 
 
 @contextlib.contextmanager
-def _forgetting_custom_gradients() -> Iterator[None]:
-    """Unregisters the custom gradients that tracing in the block registered.
-
-    TensorFlow registers the gradient function of every `tf.custom_gradient`
-    traced into a graph in its global gradient registry, for good, and that
-    function keeps the graph and the variables it captured alive. Keras's
-    `optimizer.apply` traces one (the all-reduce of the default replica
-    context), so the slots of the stand-in optimizer outlived each
-    measurement: with Adam every `measure_peak` call left about twice the
-    model's weights on the device (measured on CPU: 3 calls, 8.6 -> 15.4 ->
-    20.7 MiB in use afterwards; with the entries dropped, 8.6 each time). The
-    measured step is thrown away, so nothing will differentiate its graph again.
-    """
-    from tensorflow.python.framework import ops  # the registry has no public API
-
-    registry = getattr(getattr(ops, "_gradient_registry", None), "_registry", None)
-    before = set(registry) if isinstance(registry, dict) else None
-    try:
-        yield
-    finally:
-        if before is not None:
-            for name in set(registry) - before:
-                if name.startswith("CustomGradient-"):
-                    del registry[name]
-            gc.collect()  # the traced graphs and their captures, in cycles
-
-
-@contextlib.contextmanager
 def _creating_no_variables(model: keras.Model) -> Iterator[None]:
     """Makes creating a variable an error: the step must find all its state built.
 
@@ -214,8 +186,9 @@ class _Values:
         self.pairs = [(v, np.array(v.numpy(), copy=True)) for v in variables]
 
     def restore(self) -> None:
-        for v, value in self.pairs:
-            v.assign(value)
+        with interrupts_deferred():  # all of them or, Ctrl-C halfway, some
+            for v, value in self.pairs:
+                v.assign(value)
 
 
 def _measure_traced(step: Any, concrete: Any, model: keras.Model, x: Any, y: Any,
@@ -272,7 +245,7 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     jit = getattr(model, "jit_compile", False) is True
     given = _given_batch(sample)
     x = given[0] if given else synthetic_batch(x_spec, 1)
-    with _forgetting_custom_gradients():
+    with forgetting_custom_gradients():
         result = _trace_and_measure(model, x, x_spec, given, candidates, jit, repeats)
     logger.info("Measured peak of %s on %s: %.1f MiB (the step added %.1f MiB).",
                 model.name, result.device, result.peak_mb, result.step_bytes / 2**20)

@@ -10,6 +10,7 @@ import tensorflow as tf
 import tfremat
 from tests.marks import needs_graphviz
 from tfremat.callbacks import planner as planner_module
+from tfremat.core import MIB
 from tfremat.rewriter import install as install_module
 from tfremat.demo import resnet_style
 
@@ -153,6 +154,12 @@ def test_too_optimistic_first_plan_is_replanned(monkeypatch):
     assert calls[1] < budget_mb  # the measured excess was taken off the budget
     assert planner.plan.estimates.details["trials"]  # the re-plan was measured first
     assert hist.history["peak_memory_mb"][-1] <= budget_mb
+    # Stated against the user's budget, with what it was made for.
+    assert planner.plan.budget_bytes == int(budget_mb * MIB)
+    assert planner.plan.estimates.details["replanned_for_bytes"] < budget_mb * MIB
+    text = tfremat.summary(planner.graph, planner.plan)
+    assert f"Budget:          {int(budget_mb * MIB) / MIB:.1f} MiB" in text
+    assert "Re-planned for:" in text
 
 
 @needs_graphviz

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-import warnings
 from typing import Any
 
 import keras
@@ -13,7 +13,8 @@ import tensorflow as tf
 from keras.src.utils import io_utils  # print_msg: Keras has no public equivalent
 
 from tfremat import api
-from tfremat.core import MIB, BudgetError, Plan, PlanGraph, UnsupportedModelError
+from tfremat.core import (MIB, BudgetError, Plan, PlanGraph, UnsupportedModelError,
+                          interrupts_deferred, warn)
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available
@@ -208,11 +209,11 @@ class Planner(keras.callbacks.Callback):
         self._reset()
         self._stats = memory_stats_available(self.device)
         if not self._stats:
-            warnings.warn(
+            warn(
                 f"tfremat: TensorFlow keeps no allocator statistics for {self.device}: "
                 "this fit trains with the predicted plan, unmeasured (no peak_memory_mb "
                 f"in the logs, no re-planning). {NO_STATS_HINT}",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning)
         self._fit = self.model.history  # Keras makes a History for each fit
         self._sharing = _replicas_sharing(self.model.distribute_strategy, self.device)
         self._own_train_function = self.model.train_function
@@ -306,15 +307,16 @@ class Planner(keras.callbacks.Callback):
 
     def _restore(self) -> None:
         """Gives the model back as it was before this fit."""
-        if self._installation is not None:
-            self._installation.restore()
-            self._installation = None
-        if self._fit is not None:
-            self.model.train_function = self._own_train_function
-            self._fit = self._own_train_function = None
-        if self._summary_writer is not None:
-            self._summary_writer.close()
-            self._summary_writer = None
+        with interrupts_deferred():
+            if self._installation is not None:
+                self._installation.restore()
+                self._installation = None
+            if self._fit is not None:
+                self.model.train_function = self._own_train_function
+                self._fit = self._own_train_function = None
+            if self._summary_writer is not None:
+                self._summary_writer.close()
+                self._summary_writer = None
 
     def _train_step(self, iterator: Any) -> Any:
         """The model's train function during this fit: plans at the first call,
@@ -390,16 +392,20 @@ class Planner(keras.callbacks.Callback):
                 raise
             # A measurement must never cost the training run (its data
             # may not suit the model, a trial may run out of memory).
-            warnings.warn(f"tfremat: could not measure the candidate plans ({e}); this "
-                          "fit plans by the prediction alone.", RuntimeWarning, stacklevel=2)
+            warn(f"tfremat: could not measure the candidate plans ({e}); this "
+                 "fit plans by the prediction alone.", RuntimeWarning)
             return plan(False)
         except BudgetError as e:
             if e.measured_plan is None:
                 raise
             # The prediction fits but no plan measured within the budget: train
             # with the lowest, and say so (and do not re-plan: see `_over_budget`).
-            warnings.warn(f"tfremat: {e}\nThis fit trains with the plan that measured "
-                          "lowest.", RuntimeWarning, stacklevel=2)
+            replanning = ("" if budget_mb == self.budget_mb else
+                          f"re-planning for {budget_mb:.1f} MiB (the budget of "
+                          f"{self.budget_mb:.1f} MiB less what a training step measured "
+                          "above the prediction): ")
+            warn(f"tfremat: {replanning}{e}\nThis fit trains with the plan that "
+                 "measured lowest.", RuntimeWarning)
             self._lowest_measured = e.measured_plan
             return e.measured_plan
 
@@ -407,9 +413,9 @@ class Planner(keras.callbacks.Callback):
         jit_compile = None
         if plan.offloaded and self.model.jit_compile:
             # XLA ignores tf.device: the host copies would stay on the device.
-            warnings.warn("tfremat: the plan offloads activations to host memory, which "
-                          "XLA cannot do; this fit runs the step without XLA.",
-                          RuntimeWarning, stacklevel=2)
+            warn("tfremat: the plan offloads activations to host memory, which "
+                 "XLA cannot do; this fit runs the step without XLA.",
+                 RuntimeWarning)
             jit_compile = False
         installation = PlanInstallation(self.model, plan, jit_compile=jit_compile)
         if self._installation is not None:
@@ -454,8 +460,8 @@ class Planner(keras.callbacks.Callback):
             try:
                 self.picture = write_picture(plan, self.export, graph=self.graph)
             except OSError as e:  # a picture must never cost the training run
-                warnings.warn(f"tfremat: could not write the plan picture {self.export}: "
-                              f"{e}", RuntimeWarning, stacklevel=2)
+                warn(f"tfremat: could not write the plan picture {self.export}: "
+                     f"{e}", RuntimeWarning)
         if self.plot:
             self._draw_timeline(None)
         if self._summary_writer is not None:
@@ -472,8 +478,8 @@ class Planner(keras.callbacks.Callback):
             self.timeline = plot_memory(self.plan, self.plot, graph=self.graph,
                                         measured_mb=measured_mb, budget_mb=self.budget_mb)
         except OSError as e:  # a picture must never cost the training run
-            warnings.warn(f"tfremat: could not write the memory timeline {self.plot}: {e}",
-                          RuntimeWarning, stacklevel=3)
+            warn(f"tfremat: could not write the memory timeline {self.plot}: {e}",
+                 RuntimeWarning)
 
     def _global_batch(self, batch: Any) -> Any:
         """A batch as one tensor per leaf (replica parts joined, in order)."""
@@ -534,18 +540,18 @@ class Planner(keras.callbacks.Callback):
             # Planning again would measure the same candidates (a lower target
             # ends in the same lowest plans): a small CNN's fit took 86 s, not 35.
             self._measuring = False
-            warnings.warn(
+            warn(
                 f"tfremat: {over}; the plan in use measured lowest of the plans tried "
                 "when planning (see the warning then): training goes on with it. Lower "
-                "the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
+                "the batch size or raise the budget.", RuntimeWarning)
             return
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
             tried = (f"after {self.replans} re-plan(s)" if self.replan else
                      "(re-planning is off: Planner(replan=False))")
-            warnings.warn(
+            warn(
                 f"tfremat: {over} {tried}. "
-                "Lower the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
+                "Lower the batch size or raise the budget.", RuntimeWarning)
             return
         excess = peak_mb / self._sharing - self.predicted_peak_mb
         # An excess above the budget itself leaves no budget to plan for: ask for
@@ -569,20 +575,20 @@ class Planner(keras.callbacks.Callback):
             tf.config.experimental.reset_memory_stats(self.device)
         if _same_rewrite(plan, self.plan):
             self._measuring = False
-            warnings.warn(
+            warn(
                 f"tfremat: {over}, and the plan in use is already the "
                 "lowest the planner reaches: training goes on with it. Lower the batch "
-                "size or raise the budget.", RuntimeWarning, stacklevel=2)
+                "size or raise the budget.", RuntimeWarning)
             return
         if floor_mb is not None:
-            warnings.warn(
+            warn(
                 f"tfremat: {over}. Absorbing the measured excess needs a plan "
                 f"predicted at {target:.1f} MiB, but the lowest reachable prediction is "
                 f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
                 "exceeded. Lower the batch size or raise the budget.",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning)
         self.replans += 1
-        self._install(plan)
+        self._install(_replanned(plan, self.budget_mb))
 
     def _predicted_floor_mb(self) -> float:
         """The lowest peak the planner predicts for a plan: the minimum it states
@@ -601,6 +607,18 @@ def _replicas_sharing(strategy: tf.distribute.Strategy, device: str) -> int:
         return 1
     devices = strategy.extended.worker_devices
     return max(1, sum(1 for d in devices if tf.DeviceSpec.from_string(d).device_type == "CPU"))
+
+
+def _replanned(plan: Plan, budget_mb: float) -> Plan:
+    """`plan`, made for less than the user's budget to absorb a measured
+    excess, stated against the user's `budget_mb` (its summary and the
+    callback's messages say what it was made for)."""
+    budget = int(budget_mb * MIB)
+    if plan.budget_bytes != budget and plan.estimates is not None:
+        plan.estimates = dataclasses.replace(plan.estimates, details={
+            **plan.estimates.details, "replanned_for_bytes": plan.budget_bytes})
+    plan.budget_bytes = budget
+    return plan
 
 
 def _same_rewrite(a: Plan, b: Plan | None) -> bool:

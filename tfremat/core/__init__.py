@@ -2,7 +2,9 @@
 
 `PlanGraph` (one `Node` per layer call, its `TensorInfo` outputs), `Plan`
 (recompute `Segment`s, `Offload`s, a `PlanEstimate`), the rules a plan must
-follow on its graph (`validate_plan`), their JSON, and tfremat's errors.
+follow on its graph (`validate_plan`), their JSON, tfremat's errors, and
+Ctrl-C held back while the user's state is put back (`interrupts_deferred`), and
+warnings that name the user's line (`warn`).
 Nothing here imports another part of tfremat; every other part builds on it.
 """
 
@@ -13,12 +15,16 @@ from tfremat.core.graph import (Node, PlanGraph, TensorInfo, dtype_size, split_r
 from tfremat.core.plan import (Offload, Plan, PlanEstimate, PlanPlots, PlanViews, Segment,
                                recompute_units, set_plan_plots, set_plan_views,
                                updates_in_backward, with_updates_in_backward)
+from tfremat.core.interrupts import interrupts_deferred
 from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
+from tfremat.core.warn import warn
 
 __all__ = [
     "MIB", "BackendError", "BudgetError", "Node", "Offload", "Plan", "PlanEstimate",
     "PlanGraph", "PlanMismatchError", "PlanPlots", "PlanValidationError", "PlanViews",
-    "Segment", "TensorInfo", "TfrematError", "UnsupportedModelError", "dtype_size", "is_convex",
+    "Segment", "TensorInfo", "TfrematError", "UnsupportedModelError", "dtype_size",
+    "interrupts_deferred", "is_convex",
     "recompute_units", "set_plan_plots", "set_plan_views", "shared_layer_groups", "split_ref",
-    "structure_fingerprint", "updates_in_backward", "validate_plan", "with_updates_in_backward",
+    "structure_fingerprint", "updates_in_backward", "validate_plan", "warn",
+    "with_updates_in_backward",
 ]

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.core import PlanGraph
+from tfremat.core import PlanGraph, interrupts_deferred
 from tfremat.graph.keras_graph import CallSite, walk
 
 
@@ -82,8 +82,9 @@ def measure_layer_times(model: keras.Model, graph: PlanGraph, *, repeats: int = 
         except (TypeError, ValueError, tf.errors.OpError):
             continue  # a call that cannot run alone keeps its FLOP estimate
         finally:
-            for v, value in zip(variables, saved):
-                v.assign(value)
+            with interrupts_deferred():
+                for v, value in zip(variables, saved):
+                    v.assign(value)
         node.seconds_forward = fwd
         node.seconds_backward = max(both - fwd, 0.0)
 

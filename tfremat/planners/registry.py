@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import warnings
 from typing import Any, Callable
 
-from tfremat.core import BudgetError, Plan, PlanGraph, with_updates_in_backward
+from tfremat.core import BudgetError, Plan, PlanGraph, warn, with_updates_in_backward
 from tfremat.planners import toolkit as seg
 from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
@@ -155,7 +154,7 @@ def _exact_or_approx(graph: PlanGraph, budget_bytes: int, objective: str,
         return exact_dp(graph, budget_bytes, objective=objective, time_limit=time_limit,
                         verbose=verbose, **settings)
     except DPTimeout as err:
-        warnings.warn(f"{err} Falling back to the approximate DP.", stacklevel=3)
+        warn(f"{err} Falling back to the approximate DP.")
         steps = {k: v for k, v in settings.items() if k == "search_steps"}
         return approx_dp(graph, budget_bytes, objective=objective, verbose=verbose, **steps)
 
@@ -209,7 +208,7 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
                     tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
                     answered.append(attempt)
                 except DPTimeout as err:
-                    warnings.warn(f"{err} Skipping it.", stacklevel=3)
+                    warn(f"{err} Skipping it.")
                     tried.append(f"{name}: timed out")
                 if stage:
                     stage(1)

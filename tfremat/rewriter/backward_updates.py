@@ -26,7 +26,6 @@ then runs updates after the backward pass, as plain Keras does.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Iterable, Sequence
 
@@ -36,7 +35,7 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-from tfremat.core import Plan, PlanGraph, with_updates_in_backward
+from tfremat.core import Plan, PlanGraph, warn, with_updates_in_backward
 from tfremat.graph import is_subclassed
 from tfremat.simulation import simulate
 
@@ -146,8 +145,8 @@ def choose_updates(model: keras.Model, graph: PlanGraph, budget_bytes: int,
     reason = fallback_reason(model)
     if reason is not None:
         if setting is True:
-            warnings.warn(f"tfremat: updates in the backward pass were asked for, but they "
-                          f"stay after it: {reason}.", RuntimeWarning, stacklevel=3)
+            warn(f"tfremat: updates in the backward pass were asked for, but they "
+                 f"stay after it: {reason}.", RuntimeWarning)
         return False, reason
     if setting == "auto":
         plain = simulate(graph).peak_bytes
@@ -248,9 +247,8 @@ class BackwardUpdates:
             return self.model.optimizer
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"tfremat: optimizer updates of {self.model.name!r} run after "
-                          f"the backward pass, not in it: {reason}.", RuntimeWarning,
-                          stacklevel=2)
+            warn(f"tfremat: optimizer updates of {self.model.name!r} run after "
+                 f"the backward pass, not in it: {reason}.", RuntimeWarning)
         return None
 
     def after_grads(self, input_grads: list[Any], variables: list[Any],

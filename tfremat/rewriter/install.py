@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import keras
 
-from tfremat.core import Plan
+from tfremat.core import Plan, interrupts_deferred
 from tfremat.memory import measure_peak
 from tfremat.rewriter.backward_updates import for_plan
 from tfremat.rewriter.rewriting import rewrite_model
@@ -120,13 +120,14 @@ class PlanInstallation:
     def restore(self) -> None:
         """Puts the model's own train function (and its optimizer's `apply`)
         back (safe to call twice)."""
-        if self._updates is not None:
-            self._updates.release()
-        if not self.installed:
-            return
-        self.model.train_function = self._original
-        self._original = self._planned = None
-        self.installed = False
+        with interrupts_deferred():
+            if self._updates is not None:
+                self._updates.release()
+            if not self.installed:
+                return
+            self.model.train_function = self._original
+            self._original = self._planned = None
+            self.installed = False
 
     @contextlib.contextmanager
     def _patched_call(self) -> Iterator[None]:
@@ -139,10 +140,11 @@ class PlanInstallation:
         try:
             yield
         finally:
-            if before is None:
-                del self.model.call
-            else:
-                self.model.call = before
+            with interrupts_deferred():
+                if before is None:
+                    del self.model.call
+                else:
+                    self.model.call = before
 
     def __enter__(self) -> "PlanInstallation":
         self.install()

@@ -24,7 +24,6 @@ plain identities and nothing is offloaded (`offload_call` warns).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import keras
@@ -32,6 +31,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src.backend import get_keras_mask, set_keras_mask
 
+from tfremat.core import warn
 from tfremat.rewriter.compilers import in_xla, keep
 from tfremat.rewriter.exact_recompute import (AddedLosses, carry_logits, check_same_losses,
                                               collects_losses, inner_call_context,
@@ -207,10 +207,10 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
             pass.
     """
     if in_xla():
-        warnings.warn(
+        warn(
             "A host-offload unit is traced inside an XLA-compiled function "
             "(jit_compile=True); XLA ignores tf.device, so nothing is offloaded. "
-            "Compile the model with jit_compile=False.", stacklevel=2)
+            "Compile the model with jit_compile=False.")
     state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
     values = [tf.convert_to_tensor(x) for x in inputs]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import keras
@@ -10,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from tfremat.core import (Plan, PlanValidationError, TfrematError, UnsupportedModelError,
-                          validate_plan)
+                          validate_plan, warn)
 from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
 from tfremat.rewriter.backward_updates import BackwardUpdates, for_plan
 from tfremat.rewriter.functional import OffloadSettings, rebuild
@@ -137,10 +136,9 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                 f"Subclassed model {model.name!r}: host offload is applied to "
                 "functional and Sequential models only. Plan without offload.")
         if plan.update_in_backward:
-            warnings.warn(f"tfremat: subclassed model {model.name!r} updates its weights "
-                          "after the backward pass: updates in the backward pass apply "
-                          "to functional and Sequential models.", RuntimeWarning,
-                          stacklevel=2)
+            warn(f"tfremat: subclassed model {model.name!r} updates its weights "
+                 "after the backward pass: updates in the backward pass apply "
+                 "to functional and Sequential models.", RuntimeWarning)
         return rewrite_subclassed(model, plan, sample)
     sites, output_refs = walk_with_outputs(model)
     structure = structure_graph(model)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
-import warnings
 
 import numpy as np
 
-from tfremat.core import BudgetError, Plan, PlanGraph
+from tfremat.core import BudgetError, Plan, PlanGraph, warn
 from tfremat.planners.deepq import network
 from tfremat.planners.deepq.agent import Agent
 from tfremat.planners.deepq.features import ACTIONS, FEATURES_VERSION, GraphView, describe
@@ -138,7 +137,7 @@ def dqn(graph: PlanGraph, budget_bytes: int, *, finetune_episodes: int = 0, seed
         if run < finetune_episodes:
             stopped = (f"Fine-tuning stopped at its time limit of {finetune_time_limit:g} s "
                        f"after {run} of {finetune_episodes} episodes")
-            warnings.warn(f"{stopped}: the agent as fine-tuned so far plans.", stacklevel=2)
+            warn(f"{stopped}: the agent as fine-tuned so far plans.")
             stopped += ". "
     episode = agent.greedy(view, budget_bytes)
     counts = {name: int(np.sum(episode.decisions == k)) for k, name in enumerate(ACTIONS)
@@ -184,7 +183,7 @@ def _fallback(graph: PlanGraph, budget_bytes: int, settings: dict, lowest_peak: 
         raise BudgetError(budget_bytes, min(lowest_peak, err.min_budget_bytes), "dqn",
                           f"{missed}; planner 'auto' reached "
                           f"{err.min_budget_mb:.1f} MiB.") from None
-    warnings.warn(f"{missed}: using planner 'auto''s plan instead.", stacklevel=3)
+    warn(f"{missed}: using planner 'auto''s plan instead.")
     plan.planner = "dqn"
     plan.settings = {**settings, "fallback": "auto"}
     plan.estimates = simulate(graph, plan, bandwidth_gbps=settings["bandwidth_gbps"],
