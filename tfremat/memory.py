@@ -186,7 +186,7 @@ class _Values:
         self.pairs = [(v, np.array(v.numpy(), copy=True)) for v in variables]
 
     def restore(self) -> None:
-        with interrupts_deferred():  # all of them or, Ctrl-C halfway, some
+        with interrupts_deferred():  # every one, even when Ctrl-C comes halfway
             for v, value in self.pairs:
                 v.assign(value)
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tfremat
 from tfremat.core import UnsupportedModelError
+from tests.test_memory import ScaledSGD
 
 
 def conv_stack(size: int = 16, channels: int = 8, depth: int = 4) -> keras.Model:
@@ -88,14 +89,6 @@ def test_planning_leaves_an_unbuilt_optimizer_unbuilt_so_a_layer_unfrozen_later_
     y = tf.one_hot([1, 2, 3, 4], 10)
     model.fit(x, y, epochs=1, verbose=0)
     assert optimizer.built
-
-
-class ScaledSGD(keras.optimizers.SGD):
-    """An optimizer whose config does not say how to make it again."""
-
-    def __init__(self, factor, **kwargs):
-        super().__init__(**kwargs)
-        self.factor = factor
 
 
 def test_an_unbuilt_optimizer_that_cannot_be_copied_is_refused_untouched_by_planning():

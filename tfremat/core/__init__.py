@@ -2,8 +2,8 @@
 
 `PlanGraph` (one `Node` per layer call, its `TensorInfo` outputs), `Plan`
 (recompute `Segment`s, `Offload`s, a `PlanEstimate`), the rules a plan must
-follow on its graph (`validate_plan`), their JSON, tfremat's errors, and
-Ctrl-C held back while the user's state is put back (`interrupts_deferred`), and
+follow on its graph (`validate_plan`), their JSON, tfremat's errors, Ctrl-C
+held back while the user's state is put back (`interrupts_deferred`), and
 warnings that name the user's line (`warn`).
 Nothing here imports another part of tfremat; every other part builds on it.
 """

@@ -518,7 +518,6 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
         replicas=replicas, optimizer_bytes=optimizer_bytes)
 
 
-
 def _in_replica_context(step: Any) -> Any:
     """`step`, made traceable inside a `tf.distribute.Strategy.scope()`.
 
