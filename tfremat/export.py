@@ -236,7 +236,7 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     replanned = plan.estimates.details.get("replanned_for_bytes") if plan.estimates else None
     if replanned:
         lines.append(f"Re-planned for:  {_mib(replanned)} (the budget less what a training "
-                     "step measured above the prediction)")
+                     "step measured above the plan's estimate)")
     lines += [
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
         f"Measured peak:   {_measured_line(plan)}",

@@ -162,6 +162,37 @@ def test_too_optimistic_first_plan_is_replanned(monkeypatch):
     assert "Re-planned for:" in text
 
 
+@pytest.mark.parametrize("trial_mb", [None, 30.0])
+def test_a_replan_takes_off_what_the_step_measured_above_the_plans_estimate(
+        monkeypatch, trial_mb):
+    """Measured before training, a plan's excess is the steps' spread above its
+    trial (the re-plan's candidates are measured too); unmeasured, the excess
+    above its prediction."""
+    graph = tfremat.extract(make_model(), batch_size=BATCH)
+    in_use = tfremat.Plan.from_segments(graph, [])
+    in_use.estimates = tfremat.simulate(graph, in_use).plan_estimate()
+    if trial_mb is not None:
+        in_use.estimates.details["measured_peak_bytes"] = int(trial_mb * MIB)
+    planner = tfremat.Planner(40.0, verbose=0)
+    planner.plan, planner.predicted_peak_mb = in_use, 25.0
+    asked, installed = [], []
+    ids = [n.id for n in graph if not n.is_input]
+
+    def plan(budget_mb, sample=None):
+        asked.append(budget_mb)
+        made = tfremat.Plan.from_segments(graph, [ids[1:4]])
+        made.estimates = tfremat.simulate(graph, made).plan_estimate()
+        made.budget_bytes = int(budget_mb * MIB)
+        return made
+
+    monkeypatch.setattr(planner, "_plan", plan)
+    monkeypatch.setattr(planner, "_install", installed.append)
+    planner._over_budget(44.0)
+    assert asked == [40.0 - (44.0 - (trial_mb or 25.0))]  # 26.0 or 36.0
+    assert installed[0].budget_bytes == int(40.0 * MIB)
+    assert installed[0].estimates.details["replanned_for_bytes"] == int(asked[0] * MIB)
+
+
 @needs_graphviz
 def test_plan_picture_is_exported(budget_mb, tmp_path):
     x, y = data(2)

@@ -403,7 +403,7 @@ class Planner(keras.callbacks.Callback):
             replanning = ("" if budget_mb == self.budget_mb else
                           f"re-planning for {budget_mb:.1f} MiB (the budget of "
                           f"{self.budget_mb:.1f} MiB less what a training step measured "
-                          "above the prediction): ")
+                          "above the plan's estimate): ")
             warn(f"tfremat: {replanning}{e}\nThis fit trains with the plan that "
                  "measured lowest.", RuntimeWarning)
             self._lowest_measured = e.measured_plan
@@ -553,7 +553,14 @@ class Planner(keras.callbacks.Callback):
                 f"tfremat: {over} {tried}. "
                 "Lower the batch size or raise the budget.", RuntimeWarning)
             return
-        excess = peak_mb / self._sharing - self.predicted_peak_mb
+        # What the step measured above the plan's estimate: its measurement
+        # before training when it has one (the re-plan's candidates are measured
+        # too, so what they are held to is the steps' spread above a trial; above
+        # the prediction, an under-prediction would count twice), else the
+        # prediction.
+        details = self.plan.estimates.details if self.plan and self.plan.estimates else {}
+        trial_mb = details.get("measured_peak_bytes", 0) / MIB
+        excess = peak_mb / self._sharing - (trial_mb or self.predicted_peak_mb)
         # An excess above the budget itself leaves no budget to plan for: ask for
         # 1% of it, which ends in the best-effort plan below.
         target = max(self.budget_mb - max(excess, 0.05 * self.budget_mb),
