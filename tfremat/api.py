@@ -389,14 +389,17 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
         if done():
             break
         ratio = trials[-1][1] / max(plan.peak_bytes, 1)
-        plan = next((p for p in candidates if p.peak_bytes * ratio <= roomy), None)
+        plan = next((p for p in candidates if p.peak_bytes * ratio <= roomy
+                     and _key(p) not in measured_keys), None)
     for resort in _resorts(lowest, first, make, unplanned, fixed):
         if done():
             break
         if _key(resort) not in measured_keys:
             measure(resort)
     if unplanned is not None and not done():
-        measure(unplanned(first))
+        bare = unplanned(first)
+        if _key(bare) not in measured_keys:
+            measure(bare)
     # Nothing fits: the lowest of several noisy measurements is a lucky one, so
     # the plan of lowest measured peak is measured again until that plan has
     # been measured twice (its higher measurement counts).
@@ -409,12 +412,13 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
 
 
 def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
-    """Each plan of `(plan, measured peak)` trials once, in the order first
-    measured, with its highest measured peak and how often it was measured."""
-    seen: dict[int, tuple[Plan, int, int]] = {}
+    """Each plan of `(plan, measured peak)` trials once (plans that rewrite
+    alike are one), in the order first measured, with its highest measured
+    peak and how often it was measured."""
+    seen: dict[str, tuple[Plan, int, int]] = {}
     for p, m in trials:
-        _, high, times = seen.get(id(p), (p, 0, 0))
-        seen[id(p)] = (p, max(high, m), times + 1)
+        first, high, times = seen.get(_key(p), (p, 0, 0))
+        seen[_key(p)] = (first, max(high, m), times + 1)
     return list(seen.values())
 
 
@@ -597,7 +601,7 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
 
 def _key(plan: Plan) -> str:
     """What a plan rewrites: plans with equal keys measure alike."""
-    return repr((plan.segments, plan.offloaded))
+    return repr((plan.segments, plan.offloaded, plan.update_in_backward, plan.pin_order))
 
 
 def _candidates(first: Plan, make: Callable[..., Plan]) -> tuple[list[Plan], Plan]:

@@ -178,7 +178,7 @@ def test_a_replan_takes_off_what_the_step_measured_above_the_plans_estimate(
     asked, installed = [], []
     ids = [n.id for n in graph if not n.is_input]
 
-    def plan(budget_mb, sample=None):
+    def plan(budget_mb, sample=None, why=""):
         asked.append(budget_mb)
         made = tfremat.Plan.from_segments(graph, [ids[1:4]])
         made.estimates = tfremat.simulate(graph, made).plan_estimate()
@@ -191,6 +191,34 @@ def test_a_replan_takes_off_what_the_step_measured_above_the_plans_estimate(
     assert asked == [40.0 - (44.0 - (trial_mb or 25.0))]  # 26.0 or 36.0
     assert installed[0].budget_bytes == int(40.0 * MIB)
     assert installed[0].estimates.details["replanned_for_bytes"] == int(asked[0] * MIB)
+
+
+def test_a_replan_below_the_floor_says_it_plans_at_the_floor(monkeypatch):
+    graph = tfremat.extract(make_model(), batch_size=BATCH)
+    planner = tfremat.Planner(40.0, verbose=0)
+    planner.plan = tfremat.Plan.from_segments(graph, [])
+    planner.predicted_peak_mb = 25.0
+    ids = [n.id for n in graph if not n.is_input]
+    asked = []
+
+    def plan(budget_mb, sample=None, why=""):
+        asked.append((budget_mb, why))
+        if budget_mb == 40.0 - (44.0 - 25.0):
+            raise tfremat.BudgetError(int(budget_mb * MIB), int(30 * MIB), "auto")
+        made = tfremat.Plan.from_segments(graph, [ids[1:4]])
+        made.estimates = tfremat.simulate(graph, made).plan_estimate()
+        made.budget_bytes = int(budget_mb * MIB)
+        return made
+
+    monkeypatch.setattr(planner, "_plan", plan)
+    monkeypatch.setattr(planner, "_install", lambda plan: None)
+    with pytest.warns(RuntimeWarning, match="lowest reachable prediction"):
+        planner._over_budget(44.0)
+    # The target, a budget of one byte (the predicted floor), then the floor.
+    (target, why_target), (one_byte, _), (floor, why_floor) = asked
+    assert target == 21.0 and "less what a training step measured" in why_target
+    assert one_byte == 1 / MIB
+    assert f"re-planning for {floor:.1f} MiB, the lowest peak the planner predicts" in why_floor
 
 
 @needs_graphviz

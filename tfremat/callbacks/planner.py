@@ -370,9 +370,10 @@ class Planner(keras.callbacks.Callback):
         self._install(plan)
         return self._iterator_of(batches, static)
 
-    def _plan(self, budget_mb: float, sample: Any = None) -> Plan:
+    def _plan(self, budget_mb: float, sample: Any = None, why: str = "") -> Plan:
         """A plan for `budget_mb`; measured, then chosen, when `sample` (one
-        device's share of the first batch) is given and the callback measures."""
+        device's share of the first batch) is given and the callback measures.
+        `why`: what a warning says of `budget_mb` when it is not the budget."""
         measure = (self.measure and self._stats and sample is not None
                    and self.model.distribute_strategy.num_replicas_in_sync == 1)
 
@@ -400,12 +401,8 @@ class Planner(keras.callbacks.Callback):
                 raise
             # The prediction fits but no plan measured within the budget: train
             # with the lowest, and say so (and do not re-plan: see `_over_budget`).
-            replanning = ("" if budget_mb == self.budget_mb else
-                          f"re-planning for {budget_mb:.1f} MiB (the budget of "
-                          f"{self.budget_mb:.1f} MiB less what a training step measured "
-                          "above the plan's estimate): ")
-            warn(f"tfremat: {replanning}{e}\nThis fit trains with the plan that "
-                 "measured lowest.", RuntimeWarning)
+            warn(f"tfremat: {why}{e}\nThis fit trains with the plan that measured "
+                 "lowest.", RuntimeWarning)
             self._lowest_measured = e.measured_plan
             return e.measured_plan
 
@@ -569,12 +566,17 @@ class Planner(keras.callbacks.Callback):
             io_utils.print_msg(f"tfremat: {over}: re-planning for {target:.1f} MiB.")
         floor_mb = None
         try:
-            plan = self._plan(target, sample=self._sample)
+            plan = self._plan(target, sample=self._sample, why=(
+                f"re-planning for {target:.1f} MiB (the budget of {self.budget_mb:.1f} "
+                "MiB less what a training step measured above the plan's estimate): "))
         except BudgetError:
             # Best effort: the plan of lowest predicted peak, measured too. (The
             # error's minimum is measured: planning at it may rewrite nothing.)
             floor_mb = self._predicted_floor_mb()
-            plan = self._plan(floor_mb, sample=self._sample)
+            plan = self._plan(floor_mb, sample=self._sample, why=(
+                f"re-planning for {floor_mb:.1f} MiB, the lowest peak the planner "
+                f"predicts (the budget of {self.budget_mb:.1f} MiB less what a training "
+                "step measured above the plan's estimate is out of its reach): "))
         if self._stats:
             # The trials' steps are not training steps: the epoch's peak keeps the
             # steps before them (`_epoch_peak_mb`), not the trials (a step without a
