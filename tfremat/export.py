@@ -235,8 +235,8 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
     replanned = plan.estimates.details.get("replanned_for_bytes") if plan.estimates else None
     if replanned:
-        lines.append(f"Re-planned for:  {_mib(replanned)} (the budget less what a training "
-                     "step measured above the plan's estimate)")
+        lines.append(f"Re-planned for:  {_mib(replanned)} (under the budget, to absorb what "
+                     "a training step measured above the plan's estimate)")
     lines += [
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
         f"Measured peak:   {_measured_line(plan)}",
