@@ -17,7 +17,7 @@ from tfremat.core.plan import (Offload, Plan, PlanEstimate, PlanPlots, PlanViews
                                updates_in_backward, with_updates_in_backward)
 from tfremat.core.interrupts import interrupts_deferred
 from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
-from tfremat.core.warn import warn
+from tfremat.core.warning import warn
 
 __all__ = [
     "MIB", "BackendError", "BudgetError", "Node", "Offload", "Plan", "PlanEstimate",
