@@ -76,6 +76,17 @@ def _clear_keras_session():
     yield
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt, as in a user's Python: a
+    pytest-xdist worker ignores it (its controller handles Ctrl-C)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def _locked(root: pathlib.Path, alone: bool) -> Iterator[None]:
     """Holds the suite's readers-writer lock: shared for a test that may run

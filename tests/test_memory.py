@@ -328,7 +328,8 @@ def test_an_interrupted_measurement_restores_everything(monkeypatch):
     assert values(all_variables(model)) == before
 
 
-def test_a_second_ctrl_c_during_the_restore_waits_until_everything_is_back(monkeypatch):
+def test_a_second_ctrl_c_during_the_restore_waits_until_everything_is_back(
+        monkeypatch, ctrl_c_raises):
     import signal
 
     model = stateful_model()

@@ -8,7 +8,7 @@ import pytest
 from tfremat.core import interrupts_deferred
 
 
-def test_ctrl_c_inside_the_block_is_raised_when_it_ends():
+def test_ctrl_c_inside_the_block_is_raised_when_it_ends(ctrl_c_raises):
     done = []
     with pytest.raises(KeyboardInterrupt):
         with interrupts_deferred():
