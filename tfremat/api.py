@@ -381,10 +381,8 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
     def done() -> bool:
         return any(m <= roomy for _, m in trials) or out_of_time()
 
-    ratio = 1.0
     plan: Plan | None = first
     while plan is not None and len(trials) < max(1, max_trials):
-        candidates = [p for p in candidates if p is not plan]
         measure(plan)
         if done():
             break
@@ -417,8 +415,9 @@ def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
     peak and how often it was measured."""
     seen: dict[str, tuple[Plan, int, int]] = {}
     for p, m in trials:
-        first, high, times = seen.get(_key(p), (p, 0, 0))
-        seen[_key(p)] = (first, max(high, m), times + 1)
+        key = _key(p)
+        first, high, times = seen.get(key, (p, 0, 0))
+        seen[key] = (first, max(high, m), times + 1)
     return list(seen.values())
 
 

@@ -432,7 +432,8 @@ def test_a_users_keras_remat_is_the_backward_of_its_call():
                for i in range(4))
     # The stem's backward reads what its own ReLU gradient reads, no block's input.
     assert set(graph.node("stem").backward_reads) <= {"stem:0", "image:0"}
-    # Predicted below the measured peak by a third before (its backward pass
-    # was taken to be the last block's recompute only).
-    measured = tfremat.measure_peak(model, batch_size=16)
-    assert tfremat.simulate(graph).peak_bytes >= 0.8 * measured
+    # Predicted at a third of the measured peak before (its backward pass was
+    # taken to be the last block's recompute only). What the step adds above
+    # what the process held, so that other tests' leftovers do not count.
+    measured = tfremat.measure_peak(model, batch_size=16, return_details=True)
+    assert tfremat.simulate(graph).activation_peak_bytes >= 0.8 * measured.step_bytes
