@@ -694,6 +694,31 @@ def test_the_plan_that_measured_lowest_is_not_planned_again(monkeypatch):
     assert len(hist.history["loss"]) == 2
 
 
+def test_the_trials_of_a_plan_that_measured_over_the_budget_are_said_once(monkeypatch, capsys):
+    """The BudgetError's warning lists what was measured; the report of the plan
+    trained does not list it again as if the plan had been chosen to fit."""
+    x, y = data(1)
+    model = make_model()
+    trials = [{"predicted_bytes": 90 * MIB, "measured_bytes": 130 * MIB, "overhead": 0.2,
+               "unplanned": False, "planner": "approx-dp"}]
+
+    def nothing_fits(model, budget, **kwargs):
+        lowest = tfremat.Plan.from_segments(kwargs["graph"], [], planner="approx-dp")
+        lowest.estimates = tfremat.PlanEstimate(
+            90 * MIB, details={"trials": trials, "measured_peak_bytes": 130 * MIB})
+        error = tfremat.BudgetError(int(budget * MIB), 137 * MIB, "auto",
+                                    "1 measurement(s):\n  " + tfremat.api.trial_text(
+                                        trials[0], "-> measured"), measured=True)
+        error.measured_plan = lowest
+        raise error
+
+    monkeypatch.setattr(planner_module.api, "plan", nothing_fits)
+    with pytest.warns(RuntimeWarning, match="measured 130.0 MiB"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[tfremat.Planner(100, replan=False)])
+    assert "measured before training" not in capsys.readouterr().out
+
+
 def test_the_planner_says_when_measuring_stopped_at_its_time_limit(monkeypatch):
     x, y = data(2)
     measured = []

@@ -444,7 +444,9 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
             details = plan.estimates.details if plan.estimates else {}
-            if details.get("trials"):
+            # A plan that measured lowest over the budget came with a warning
+            # that lists the trials already.
+            if details.get("trials") and plan is not self._lowest_measured:
                 io_utils.print_msg(
                     "tfremat: measured before training: "
                     + "; ".join(api.trial_text(t) for t in details["trials"])
