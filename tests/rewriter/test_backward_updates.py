@@ -161,14 +161,8 @@ def test_under_xla_updates_in_backward_train_as_plain_xla(model_name, optimizer)
     # an own weight is left over for `apply`.
     rewritten = rewrite_model(model, plan)
     rewritten.compile(optimizer=model.optimizer, loss="mse")
-
-    @tf.function(jit_compile=True)
-    def gradients(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.cast(rewritten(x, training=True), "float32"))
-        return tape.gradient(loss, rewritten.trainable_variables)
-
-    left = [g for g in gradients(data_for(model, 1)[0][:BATCH]) if g is not None]
+    x, y, _ = data_for(model, 1)
+    left = left_for_apply(rewritten, x[:BATCH], y[:BATCH], jit_compile=True)
     assert len(left) == (1 if model_name == "transformer" else 0)  # the tied embedding
 
 
@@ -230,28 +224,81 @@ def test_a_layer_called_twice_trains_as_plain_with_the_others_updated_in_backwar
 def test_own_weights_are_updated_inside_the_backward_pass():
     keras.utils.set_random_seed(0)
     model = tied_transformer()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y, loss = data_for(model, 1)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     model.optimizer.build(model.trainable_variables)
     rewritten = rewrite_model(model, updates_plan(model, segmented=True))
-    rewritten.compile(optimizer=model.optimizer, loss="mse")
-    x, _, _ = data_for(model, 1)
+    rewritten.compile(optimizer=model.optimizer, loss=loss)
     before = snapshot(model)
-
-    @tf.function
-    def gradients(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(rewritten(x, training=True))
-        return tape.gradient(loss, rewritten.trainable_variables)
-
-    grads = gradients(x[:BATCH])
-    shared = model.get_layer(index=1).embeddings
-    for v, g in zip(rewritten.trainable_variables, grads):
-        # The tied embedding's gradient is complete only after the backward
-        # pass: it is left to apply; every other weight was updated in it.
-        assert (g is None) == (v is not shared), v.path
+    left = left_for_apply(rewritten, x[:BATCH], y[:BATCH])
+    # The tied embedding's gradient is complete only after the backward pass:
+    # it is left to apply; every other weight was updated in it.
+    assert [id(v) for v in left] == [id(model.get_layer(index=1).embeddings)]
     moved = {id(v) for v, a in zip(model.variables, before) if not np.array_equal(
         v.numpy(), a)}
-    assert moved == {id(v) for v in model.trainable_variables if v is not shared}
+    assert moved >= {id(v) for v in model.trainable_variables}
+
+
+def test_gradients_outside_the_training_step_update_nothing():
+    """A custom training loop, a saliency map or an adversarial example takes
+    `tape.gradient` through the rewritten model: it gets every gradient, equal
+    to the original model's, and no weight moves (the units updated the
+    weights, shared with the original model, and returned None for them)."""
+    keras.utils.set_random_seed(0)
+    model = MODELS["cnn"]()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    rewritten = rewrite_model(model, updates_plan(model, segmented=True))
+    rewritten.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y, _ = data_for(model, 1)
+    x = tf.constant(x[:BATCH])
+    before = snapshot(model)
+
+    def gradients(m, training):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(m(x, training=training))
+        # The original model's variables, in its order (the rewritten model's
+        # layers list them in another).
+        return tape.gradient(loss, [x, *model.trainable_variables])
+
+    weights = [v.numpy() for v in model.trainable_variables]
+
+    def from_the_start(run, m, training):
+        restore(model, before)  # the same dropout masks and statistics
+        return run(m, training)
+
+    for training in (False, True):
+        for run in (gradients, tf.function(gradients)):
+            expected = from_the_start(run, model, training)
+            got = from_the_start(run, rewritten, training)
+            assert all(g is not None for g in got)
+            for a, b in zip(expected, got):
+                np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+            assert_same(weights, [v.numpy() for v in model.trainable_variables])
+    assert rewritten.optimizer.iterations.numpy() == 0
+    # fit still updates in the backward pass: nothing left for `apply`.
+    assert left_for_apply(rewritten, x, y[:BATCH]) == []
+
+
+def left_for_apply(rewritten: keras.Model, x, y, jit_compile: bool = False) -> list:
+    """The variables whose gradients one `train_step` of `rewritten` (traced
+    by `tf.function`) leaves to `optimizer.apply` after the backward pass."""
+    optimizer = rewritten.optimizer
+    own = optimizer.apply
+    left = []
+
+    def spy(grads, variables=None):
+        grads = list(grads)
+        variables = list(optimizer._trainable_variables if variables is None else variables)
+        left.extend(v for g, v in zip(grads, variables) if g is not None)
+        return own(grads, variables)
+
+    optimizer.apply = spy  # the units' patch of `apply` calls it for the rest
+    try:
+        tf.function(rewritten.train_step, jit_compile=jit_compile)((x, y))
+    finally:
+        optimizer.__dict__.pop("apply", None)
+    return left
 
 
 

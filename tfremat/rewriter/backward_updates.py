@@ -26,8 +26,9 @@ then runs updates after the backward pass, as plain Keras does.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -204,6 +205,11 @@ def _trace_key() -> Any:
 class BackwardUpdates:
     """What the update units of one rewritten model share.
 
+    The units update only inside the model's own training step (`fit`,
+    `train_on_batch`: its `train_step`, entered through `training_step`).
+    Any other gradient through them (a custom training loop, a saliency map,
+    an adversarial example) gets every gradient and updates nothing.
+
     Attributes:
         model: The model whose optimizer updates (the rewritten model, or the
             user's model while a plan is installed in it); None: no updates.
@@ -217,7 +223,8 @@ class BackwardUpdates:
     updates = BackwardUpdates()
     updates.set_units([[conv1], [bn1], [dense, tied_output]])
     updates.bind(model)
-    # ... units call updates.after_grads in their gradient functions ...
+    with updates.training_step():
+        model.train_step(data)   # units call updates.after_grads in their gradients
     updates.release()   # gives the optimizer its own apply back
     ```
     """
@@ -228,6 +235,17 @@ class BackwardUpdates:
         self._warned: set[str] = set()
         self._done: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._patched: list[Any] = []
+        self._steps = 0  # training steps being run (or traced) now
+
+    @contextlib.contextmanager
+    def training_step(self) -> Iterator[None]:
+        """While it is open, gradients through the units update the weights:
+        wraps the model's own training step (its trace, under `tf.function`)."""
+        self._steps += 1
+        try:
+            yield
+        finally:
+            self._steps -= 1
 
     def set_units(self, units: Iterable[Sequence[Any]]) -> None:
         """Records the layers of each unit of the model (see `shared_variables`)."""
@@ -239,9 +257,10 @@ class BackwardUpdates:
 
     def optimizer(self) -> Any:
         """The optimizer to update with now, or None: updates stay after the
-        backward pass, and a warning (once per reason) says why."""
-        if self.model is None:
-            return None  # not bound (yet): nothing to update with
+        backward pass, and a warning (once per reason) says why (none outside
+        a training step, where nothing is updated)."""
+        if self.model is None or not self._steps:
+            return None  # not bound (yet), or not a training step: no updates
         reason = fallback_reason(self.model)
         if reason is None:
             return self.model.optimizer
@@ -368,6 +387,23 @@ class BackwardOrder(BackwardUpdates):
         with tf.control_dependencies(waits):
             input_grads = [None if g is None else tf.identity(g) for g in input_grads]
         return input_grads, list(var_grads)
+
+
+def update_in_training_steps(model: keras.Model, updates: BackwardUpdates) -> None:
+    """Makes `model`'s own training step (a model `rewrite_model` made) the
+    one in which `updates` update the weights (`BackwardUpdates.training_step`).
+
+    Args:
+        model: The rewritten model, bound to `updates`.
+        updates: What its units share.
+    """
+    own = model.train_step
+
+    def train_step(data: Any) -> Any:
+        with updates.training_step():
+            return own(data)
+
+    model.train_step = train_step
 
 
 def for_plan(plan: Plan) -> BackwardUpdates | None:

@@ -137,8 +137,12 @@ class PlanInstallation:
         own = vars(self.model)
         before = own.get("call")  # an instance attribute the user set, if any
         self.model.call = self._call
+        # The step run here is the model's training step: its units update.
+        steps = (self._updates.training_step() if self._updates is not None
+                 else contextlib.nullcontext())
         try:
-            yield
+            with steps:
+                yield
         finally:
             with interrupts_deferred():
                 if before is None:

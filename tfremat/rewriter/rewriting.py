@@ -11,7 +11,8 @@ import tensorflow as tf
 from tfremat.core import (Plan, PlanValidationError, TfrematError, UnsupportedModelError,
                           validate_plan, warn)
 from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
-from tfremat.rewriter.backward_updates import BackwardUpdates, for_plan
+from tfremat.rewriter.backward_updates import (BackwardUpdates, for_plan,
+                                               update_in_training_steps)
 from tfremat.rewriter.functional import OffloadSettings, rebuild
 
 
@@ -166,6 +167,7 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
             f"Could not rebuild {model.name!r} with the plan's segments: {e}") from e
     if updates is not None and updates.model is None:
         updates.bind(rewritten)
+        update_in_training_steps(rewritten, updates)
     return rewritten
 
 
