@@ -15,8 +15,9 @@ learning rate (schedules included) and `iterations` before the step's
 increment. The optimizer's `apply` is patched (`BackwardUpdates.patch`) so that
 after the backward pass it updates only the remaining variables (shared weights,
 whose gradient is complete only there; weights with a regularizer, whose loss
-is computed outside their unit), then advances `iterations` once and updates
-EMA as `apply` does. A variable is updated in the backward pass only when it
+is computed outside their unit; under EMA, weights with a constraint, which
+`apply` averages before constraining), then advances `iterations` once and
+updates EMA as `apply` does. A variable is updated in the backward pass only when it
 belongs to exactly one unit.
 
 `fallback_reason` says when this cannot be exact (the update needs every
@@ -299,9 +300,12 @@ class BackwardUpdates:
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(self.model.trainable_variables)
         # The tf.Variable under each Keras variable (`value` may be an autocast).
+        # With EMA, `apply` averages a weight before its constraint applies: a
+        # constrained weight is left to `apply`.
         known = {id(v._value): v for v in self.model.trainable_variables
                  if id(v) not in self.shared and v.regularizer is None
-                 and not v.overwrite_with_gradient}
+                 and not v.overwrite_with_gradient
+                 and not (optimizer.use_ema and v.constraint is not None)}
         chosen = [k for k, (v, g) in enumerate(zip(variables, var_grads))
                   if g is not None and id(v) in known]
         if not chosen:
