@@ -51,3 +51,29 @@ def test_mirrored_strategy_over_two_cpus_gives_the_same_losses():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("OK")
+
+
+def test_a_model_made_in_a_strategy_scope_is_planned_outside_it():
+    """Inside the scope of a MirroredStrategy of two replicas tfremat says to plan
+    outside it with the per-replica batch; that works with an optimizer not built
+    yet (its stand-in is built in the model's scope: Keras refuses to make
+    slots for mirrored weights outside it), and leaves the optimizer unbuilt."""
+    import keras
+    import pytest
+    import tensorflow as tf
+
+    import tfremat
+    from tests.rewriter import rewrite_helpers as h
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = h.residual_cnn()
+        model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with strategy.scope(), pytest.raises(tfremat.UnsupportedModelError,
+                                         match="Plan outside `strategy.scope"):
+        tfremat.plan(model, budget_mb=1000, batch_size=8)
+    graph = tfremat.extract(model, batch_size=8)
+    budget = 0.9 * tfremat.simulate(graph).peak_mb
+    plan = tfremat.plan(model, budget_mb=budget, graph=graph)
+    assert plan.segments and plan.estimates.peak_mb <= budget
+    assert not model.optimizer.built

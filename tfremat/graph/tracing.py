@@ -391,7 +391,9 @@ def step_function(model: keras.Model) -> Any:
     """
     if getattr(model, "optimizer", None) is not None and model.compiled:
         if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
+            # Its slots are made where the weights were (a strategy's scope).
+            with model.distribute_strategy.scope():
+                model.optimizer.build(model.trainable_variables)
         return lambda x, y: model.train_step((x, y))
     return _default_step(model)
 
