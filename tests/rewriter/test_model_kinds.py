@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfremat
@@ -164,3 +165,58 @@ def test_outputs_made_inside_a_segment_keep_their_names(tmp_path):
     assert got == want  # the same keys, the same numbers (losses from the logits)
     rewritten.save(tmp_path / "r.keras")
     assert keras.models.load_model(tmp_path / "r.keras").output_names == ["main", "aux"]
+
+
+class HalvedGradients(keras.Model):
+    """A functional model with its own `train_step`, as Keras's guide to
+    customizing `fit` makes them: it halves every gradient."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply([0.5 * g for g in grads], self.trainable_variables)
+        return {"loss": loss}
+
+
+class NeedsWidth(HalvedGradients):
+    def __init__(self, width, **kwargs):
+        inputs = keras.Input((8,))
+        super().__init__(inputs, keras.layers.Dense(width)(inputs), **kwargs)
+
+
+def test_a_functional_model_with_its_own_train_step_keeps_it():
+    """`tfremat.rewrite` rebuilt a functional subclass as a plain `keras.Model`:
+    its own `train_step` silently stopped running (here, training moved 0.03
+    from the user's). The rewritten model is of the user's class now."""
+    def build():
+        keras.utils.set_random_seed(15)
+        inputs = keras.Input((8,))
+        h1 = keras.layers.Dense(16, activation="relu")(inputs)
+        h2 = keras.layers.Dense(16, activation="relu")(h1)
+        model = HalvedGradients(inputs, keras.layers.Dense(2)(h2))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 8)).astype("float32")
+    y = rng.standard_normal((32, 2)).astype("float32")
+    plain = build()
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model = build()
+    rewritten = rewrite_model(model, h.plan_for(model, [h.body_ids(model)[:2]]))
+    assert type(rewritten) is HalvedGradients
+    assert isinstance(rewritten.layers[1], RecomputeSegment)
+    rewritten.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    rewritten.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_class_that_cannot_be_rebuilt_is_refused_with_the_way_out():
+    keras.utils.set_random_seed(16)
+    model = NeedsWidth(4)
+    with pytest.raises(tfremat.UnsupportedModelError,
+                       match=r"NeedsWidth, whose own train_step .* tfremat.Planner"):
+        rewrite_model(model, h.plan_for(model, []))

@@ -250,11 +250,40 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
                             tree.pack_sequence_as(functional._outputs_struct, flat),
                             name=f"{model.name}_recompute")
     renamed = _named_outputs(flat, rewritten, functional.output_names)
-    if renamed is None:
-        return rewritten
-    return keras.Model(functional._inputs_struct,
-                       tree.pack_sequence_as(functional._outputs_struct, renamed),
-                       name=f"{model.name}_recompute")
+    return _model_like(model, functional._inputs_struct, tree.pack_sequence_as(
+        functional._outputs_struct, flat if renamed is None else renamed))
+
+
+#: Methods by which a model's class decides how it trains, evaluates and predicts.
+TRAINING_METHODS = ("train_step", "test_step", "predict_step", "compute_loss",
+                    "compute_metrics")
+
+
+def _model_like(model: keras.Model, inputs: Any, outputs: Any) -> keras.Model:
+    """The rewritten functional model of `inputs` and `outputs`: of `model`'s
+    own class when that class has its own `TRAINING_METHODS` (a custom
+    `train_step`, as Keras's guide to customizing `fit` makes them), so that
+    the rewritten model trains as the user's does; a `keras.Model` otherwise.
+
+    Raises:
+        UnsupportedModelError: the class has its own training methods and
+            cannot be made from `inputs`, `outputs` and `name`.
+    """
+    name = f"{model.name}_recompute"
+    cls = type(model)
+    own = [m for m in TRAINING_METHODS
+           if getattr(cls, m, None) is not getattr(keras.Model, m, None)]
+    if not own:
+        return keras.Model(inputs, outputs, name=name)
+    try:
+        return cls(inputs=inputs, outputs=outputs, name=name)
+    except Exception as e:  # its constructor takes other arguments
+        raise UnsupportedModelError(
+            f"{model.name!r} is a {cls.__name__}, whose own {', '.join(own)} the "
+            f"rewritten model must keep, but {cls.__name__}(inputs=..., outputs=..., "
+            f"name=...) failed ({type(e).__name__}: {e}). Give its constructor those "
+            "arguments, or use tfremat.Planner in fit, which runs the plan inside your "
+            "model.") from e
 
 
 def _named_outputs(flat: list[Any], rewritten: keras.Model,
