@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfremat
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import Segment
-from tfremat.rewriter import RecomputeSegment, rewrite_model
+from tfremat.rewriter import PlanInstallation, RecomputeSegment, rewrite_model
 
 
 def test_sequential_model_is_rewritten():
@@ -220,3 +220,32 @@ def test_a_class_that_cannot_be_rebuilt_is_refused_with_the_way_out():
     with pytest.raises(tfremat.UnsupportedModelError,
                        match=r"NeedsWidth, whose own train_step .* tfremat.Planner"):
         rewrite_model(model, h.plan_for(model, []))
+
+
+def test_the_planner_runs_a_plan_inside_a_class_that_cannot_be_rebuilt():
+    """The Planner runs only the rewritten graph's call inside the user's model,
+    so a class whose constructor takes other arguments trains with a plan,
+    its own train_step included."""
+    class Wide(HalvedGradients):
+        def __init__(self, width, **kwargs):
+            inputs = keras.Input((8,))
+            h1 = keras.layers.Dense(width, activation="relu")(inputs)
+            h2 = keras.layers.Dense(width, activation="relu")(h1)
+            super().__init__(inputs, keras.layers.Dense(2)(h2), **kwargs)
+
+    def fit(plan=None):
+        keras.utils.set_random_seed(17)
+        model = Wide(16)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((32, 8)).astype("float32")
+        y = rng.standard_normal((32, 2)).astype("float32")
+        if plan is None:
+            model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        else:
+            with PlanInstallation(model, h.plan_for(model, [h.body_ids(model)[:2]])):
+                model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    for a, b in zip(fit(), fit(plan=True)):
+        np.testing.assert_array_equal(a, b)

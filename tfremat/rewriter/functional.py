@@ -217,7 +217,8 @@ class _Rebuild:
 def rebuild(model: keras.Model, sites: Sequence[CallSite],
             output_refs: Sequence[str], segments: Sequence[Segment],
             offload: OffloadSettings | None = None,
-            updates: BackwardUpdates | None = None) -> keras.Model:
+            updates: BackwardUpdates | None = None,
+            keep_class: bool = True) -> keras.Model:
     """A new functional model sharing `model`'s layers, with recompute segments
     and host offload.
 
@@ -231,6 +232,8 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
             share. Each top-level segment and each other call with trainable
             weights (offload units and prefetch triggers aside) then updates
             its own weights in its gradient function.
+        keep_class: Whether the new model is of `model`'s class when that
+            class has its own training methods (`_of_own_class`).
 
     Returns:
         A new `keras.Model` with the same inputs structure and outputs
@@ -250,8 +253,11 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
                             tree.pack_sequence_as(functional._outputs_struct, flat),
                             name=f"{model.name}_recompute")
     renamed = _named_outputs(flat, rewritten, functional.output_names)
-    return _model_like(model, functional._inputs_struct, tree.pack_sequence_as(
-        functional._outputs_struct, flat if renamed is None else renamed))
+    if renamed is not None:
+        rewritten = keras.Model(functional._inputs_struct,
+                                tree.pack_sequence_as(functional._outputs_struct, renamed),
+                                name=f"{model.name}_recompute")
+    return _of_own_class(model, rewritten) if keep_class else rewritten
 
 
 #: Methods by which a model's class decides how it trains, evaluates and predicts.
@@ -259,24 +265,24 @@ TRAINING_METHODS = ("train_step", "test_step", "predict_step", "compute_loss",
                     "compute_metrics")
 
 
-def _model_like(model: keras.Model, inputs: Any, outputs: Any) -> keras.Model:
-    """The rewritten functional model of `inputs` and `outputs`: of `model`'s
-    own class when that class has its own `TRAINING_METHODS` (a custom
+def _of_own_class(model: keras.Model, rewritten: keras.Model) -> keras.Model:
+    """`rewritten` (a `keras.Model`), or its graph as an object of `model`'s
+    class when that class has its own `TRAINING_METHODS` (a custom
     `train_step`, as Keras's guide to customizing `fit` makes them), so that
-    the rewritten model trains as the user's does; a `keras.Model` otherwise.
+    the rewritten model trains as the user's does.
 
     Raises:
         UnsupportedModelError: the class has its own training methods and
             cannot be made from `inputs`, `outputs` and `name`.
     """
-    name = f"{model.name}_recompute"
     cls = type(model)
     own = [m for m in TRAINING_METHODS
            if getattr(cls, m, None) is not getattr(keras.Model, m, None)]
     if not own:
-        return keras.Model(inputs, outputs, name=name)
+        return rewritten
     try:
-        return cls(inputs=inputs, outputs=outputs, name=name)
+        return cls(inputs=rewritten._inputs_struct, outputs=rewritten._outputs_struct,
+                   name=rewritten.name)
     except Exception as e:  # its constructor takes other arguments
         raise UnsupportedModelError(
             f"{model.name!r} is a {cls.__name__}, whose own {', '.join(own)} the "

@@ -58,7 +58,7 @@ class PlanInstallation:
             self._updates.bind(model)
         # Rewriting first: if it fails, nothing of the model was touched.
         self._call = None if plan.is_empty else rewrite_model(
-            model, plan, updates=self._updates).call
+            model, plan, updates=self._updates, keep_class=False).call
         self._original: Callable[..., Any] | None = None
         self._planned: Callable[..., Any] | None = None
         self.installed = False

@@ -18,7 +18,8 @@ from tfremat.rewriter.functional import OffloadSettings, rebuild
 
 def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None = None,
                   host_device: str | None = None, sample: Any = None,
-                  updates: BackwardUpdates | None = None) -> keras.Model:
+                  updates: BackwardUpdates | None = None,
+                  keep_class: bool = True) -> keras.Model:
     """A model computing the same as `model`, recomputing the plan's segments
     and keeping its offloaded tensors on the host.
 
@@ -104,6 +105,10 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
             state the units share, when the caller binds it to another model (what
             `PlanInstallation` does); by default a new one bound to the
             rewritten model.
+        keep_class: Whether a functional model with its own training methods
+            is rebuilt of its own class (above); False makes a `keras.Model`,
+            for a caller that runs only its `call` in the user's model (what
+            `PlanInstallation` does).
 
     Returns:
         A new `keras.Model` (uncompiled for functional models: compile it as
@@ -161,7 +166,8 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     else:
         updates = None
     try:
-        rewritten = rebuild(model, sites, output_refs, plan.segments, offload, updates)
+        rewritten = rebuild(model, sites, output_refs, plan.segments, offload, updates,
+                            keep_class)
     except TfrematError:
         raise
     except ValueError as e:
