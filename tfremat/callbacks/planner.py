@@ -37,7 +37,8 @@ class Planner(keras.callbacks.Callback):
     `fit` then behave as if it never saw the callback).
 
     At each epoch end it adds `peak_memory_mb` (measured device peak of the
-    epoch's training steps, validation left out, `GPU:0` when a GPU exists, else
+    epoch's training steps: not validation, nor what other callbacks do between
+    steps; `GPU:0` when a GPU exists, else
     `CPU:0`) and `predicted_peak_mb` to `logs`, so History records them, and so
     do CSVLogger and TensorBoard when the Planner comes before them in
     `callbacks`. If the measured peak of the
@@ -189,8 +190,8 @@ class Planner(keras.callbacks.Callback):
         self._stats = True  # the device's allocator statistics can be read
         self._warming_up = False  # the step just run is the first of a new plan
         self._epoch = 0
-        self._epoch_peak_mb = 0.0  # the largest peak read after a step this epoch
-        self._validated = False  # fit's validation ran this epoch
+        self._epoch_peak_mb = 0.0  # the largest step peak this epoch
+        self._step_peak_mb = 0.0  # the peak of the last train function run
         self._sample: Any = None  # one device's share of the first batch, for measuring
         self._lowest_measured: Plan | None = None  # the best effort of a measured BudgetError
         self._summary_writer: Any = None  # a TensorBoard callback's train run
@@ -248,8 +249,7 @@ class Planner(keras.callbacks.Callback):
             if self.log_batches and logs is not None:
                 logs["predicted_peak_mb"] = self.predicted_peak_mb
             return
-        peak = self._peak_mb()
-        self._epoch_peak_mb = max(self._epoch_peak_mb, peak)
+        peak = self._step_peak_mb
         if self.log_batches and logs is not None:
             logs["peak_memory_mb"] = peak
             logs["predicted_peak_mb"] = self.predicted_peak_mb
@@ -258,7 +258,6 @@ class Planner(keras.callbacks.Callback):
             # makes first-use allocations: it counts in the epoch's peak, but the
             # plan is judged on the steps after it.
             self._warming_up = False
-            tf.config.experimental.reset_memory_stats(self.device)
             return
         self.plan_peak_mb = max(self.plan_peak_mb or 0.0, peak)
         # Replicas sharing the allocator measure together: when their sum is over
@@ -269,23 +268,12 @@ class Planner(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         self._epoch_peak_mb = 0.0
-        self._validated = False
-        if self.plan is not None and self._stats:
-            tf.config.experimental.reset_memory_stats(self.device)
-
-    def on_test_begin(self, logs: dict | None = None) -> None:
-        # fit's validation, with these callbacks, after the epoch's steps: its
-        # batches (of their own size, with the plain model) are not the plan's.
-        self._validated = self._installation is not None
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.plan is None:
             return
         if self._stats:
-            # A re-plan resets the statistics mid-epoch: the steps before it count
-            # too. After validation, the steps' peaks read after each are all.
-            self.epoch_peaks_mb.append(self._epoch_peak_mb if self._validated else
-                                       max(self._epoch_peak_mb, self._peak_mb()))
+            self.epoch_peaks_mb.append(self._epoch_peak_mb)
         if self.log_memory and logs is not None:
             if self._stats:
                 logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
@@ -331,7 +319,15 @@ class Planner(keras.callbacks.Callback):
         try:
             if self._installation is None:
                 iterator = self._plan_first_batch(iterator)
-            return self._installation.run(iterator)
+            if not self._stats:
+                return self._installation.run(iterator)
+            # The step's peak alone: not the planning before it, nor what other
+            # callbacks, fit's validation or the user do between steps.
+            tf.config.experimental.reset_memory_stats(self.device)
+            logs = self._installation.run(iterator)
+            self._step_peak_mb = self._peak_mb()
+            self._epoch_peak_mb = max(self._epoch_peak_mb, self._step_peak_mb)
+            return logs
         except BaseException:
             self._restore()
             raise
@@ -423,8 +419,6 @@ class Planner(keras.callbacks.Callback):
         self.plan = plan
         self.predicted_peak_mb = simulate(self.graph, plan).peak_bytes / MIB
         self._report(plan)
-        if self._stats:
-            tf.config.experimental.reset_memory_stats(self.device)
         self._measuring = self._stats
         self._warming_up = True
         self.plan_peak_mb = None
@@ -579,11 +573,6 @@ class Planner(keras.callbacks.Callback):
                 f"re-planning for {floor_mb:.1f} MiB, the lowest peak the planner "
                 f"predicts (the budget of {self.budget_mb:.1f} MiB less what a training "
                 "step measured above the plan's estimate is out of its reach): "))
-        if self._stats:
-            # The trials' steps are not training steps: the epoch's peak keeps the
-            # steps before them (`_epoch_peak_mb`), not the trials (a step without a
-            # plan measured 44 MiB against a 29 MiB budget).
-            tf.config.experimental.reset_memory_stats(self.device)
         if _same_rewrite(plan, self.plan):
             self._measuring = False
             warn(
