@@ -10,6 +10,7 @@ tensors its backward keeps, transient workspaces, FLOPs, and edges.
 from __future__ import annotations
 
 import collections
+import gc
 from typing import Any
 
 import keras
@@ -74,6 +75,11 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
     traced = trace(model, batch_size=batch_size, sample=sample)
     kernels = measure_kernel_workspaces(traced.ops) if measure_kernels else None
     graph = build_plan_graph(model, traced, kernels)
+    # The traced graph holds the stand-in optimizer's slots (`stand_ins`) in
+    # reference cycles: left to Python's collector, a user's next `fit` peaked
+    # with them (an MLP with Adam: 97.3 MiB, 65.2 after collecting them).
+    del traced
+    gc.collect()
     if measure_times and not graph.metadata["subclassed"]:
         measure_layer_times(model, graph)
     return graph
