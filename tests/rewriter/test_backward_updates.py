@@ -589,3 +589,30 @@ def test_a_rewritten_model_with_update_units_saves_and_loads(tmp_path):
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(loaded(x, training=True))
     assert all(g is not None for g in tape.gradient(loss, loaded.trainable_variables))
+
+
+def test_measuring_a_rewritten_model_leaves_no_optimizer_behind():
+    """`measure_peak` runs the step with a stand-in optimizer and drops it; the
+    units' patch of its `apply` held it, slots and all, once per call (a
+    user's measurements rose 60.6 -> 92.7 -> 124.8 MiB)."""
+    import gc
+
+    from tfremat.backend import device_name
+    from tfremat.memory import measure_peak
+
+    inputs = keras.Input((1024,))
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.Dense(1024)(h)
+    model = keras.Model(inputs, h)
+    rewritten = rewrite_model(model, updates_plan(model, segmented=False))
+    rewritten.compile(optimizer=keras.optimizers.Adam(), loss="mse")  # slots: 24 MiB
+    device = device_name()
+    gc.collect()
+    in_use = tf.config.experimental.get_memory_info(device)["current"]
+    for _ in range(2):
+        measure_peak(rewritten, batch_size=8)
+    gc.collect()
+    left = tf.config.experimental.get_memory_info(device)["current"] - in_use
+    assert left < 2**20, f"{left / 2**20:.1f} MiB left on {device}"
+    assert not rewritten.optimizer.built

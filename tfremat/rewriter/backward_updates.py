@@ -404,8 +404,14 @@ def update_in_training_steps(model: keras.Model, updates: BackwardUpdates) -> No
     own = model.train_step
 
     def train_step(data: Any) -> Any:
-        with updates.training_step():
-            return own(data)
+        try:
+            with updates.training_step():
+                return own(data)
+        finally:
+            # The patched `apply` was called in the step (or its trace): holding
+            # it would hold the optimizer, as a stand-in `measure_peak` built
+            # and dropped (its slots stayed on the device, one per call).
+            updates.release()
 
     model.train_step = train_step
 
