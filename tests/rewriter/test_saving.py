@@ -102,3 +102,23 @@ def test_original_weights_reach_the_rewritten_model_through_the_original(tmp_pat
     x = h.batch_for(model)
     np.testing.assert_allclose(rewritten.predict(x, verbose=0),
                                source.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_a_rewritten_model_that_trained_with_updates_in_backward_exports(tmp_path):
+    """`export` saves the units' gradient functions, traced outside a training
+    step: they must not capture the optimizer (a SavedModel cannot hold its
+    learning rate: KeyError "... captures tensor ... not reachable from root")."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(21)
+    model = h.residual_cnn()
+    plan = h.plan_for(model, h.sqrt_segments(model))
+    plan.update_in_backward = True
+    rewritten = rewrite_model(model, plan)
+    rewritten.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = h.batch_for(model, batch=8)
+    rewritten.fit(x, np.zeros((8, 5), "float32"), batch_size=8, verbose=0)
+    rewritten.export(str(tmp_path / "served"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    np.testing.assert_allclose(served.serve(x).numpy(), model(x).numpy(), rtol=1e-5,
+                               atol=1e-6)
