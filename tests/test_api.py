@@ -84,6 +84,20 @@ def test_rewrite_plans_by_prediction_or_by_measurement():
     assert all((w.numpy() == before).all() for w, before in zip(model.weights, weights))
 
 
+def test_a_step_that_fits_is_rewritten_into_a_new_model_all_the_same():
+    """The docs compile what `rewrite` returns: when the step already fits, that
+    was the user's own model, whose optimizer (and its state) a compile
+    replaced. It is a new model sharing the weights now."""
+    model = tiny()
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    optimizer = model.optimizer
+    smaller = tfremat.rewrite(model, budget_mb=1e6, batch_size=4)
+    assert smaller is not model and not smaller.compiled
+    assert {id(v) for v in smaller.weights} == {id(v) for v in model.weights}
+    smaller.compile(optimizer="sgd", loss="mse")
+    assert model.optimizer is optimizer
+
+
 def test_rewrite_refuses_what_is_not_a_plan():
     with pytest.raises(TypeError, match="takes a tfremat.Plan, not dict"):
         tfremat.rewrite(tiny(), {"segments": []})

@@ -726,8 +726,10 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         measure_time_limit: For planning with `measure` (see `tfremat.plan`).
 
     Returns:
-        The rewritten model, or `model` itself when the plan is empty (the
-        step already fits; logged).
+        A new model sharing `model`'s layers and weights (uncompiled, for
+        functional and Sequential models: compile it as you compiled `model`),
+        also when the plan is empty (the step already fits; logged): it then
+        recomputes nothing.
 
     Raises:
         BudgetError: planning found no plan within the budget (with
@@ -749,7 +751,9 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
     elif not isinstance(plan_or_none, Plan):
         raise TypeError(f"rewrite takes a tfremat.Plan, not {type(plan_or_none).__name__}.")
     if plan_or_none.is_empty:
-        logger.info("The plan is empty (the step already fits): no rewrite.")
-        return model
+        # Still a new model: the caller compiles what it gets as the docs show,
+        # which must not be the user's compiled (maybe trained) model.
+        logger.info("The plan is empty (the step already fits): the rewritten model "
+                    "recomputes nothing.")
     return rewrite_model(model, plan_or_none, compute_device=compute_device,
                          host_device=host_device)
