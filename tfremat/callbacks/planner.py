@@ -558,8 +558,6 @@ class Planner(keras.callbacks.Callback):
         # 1% of it, which ends in the best-effort plan below.
         target = max(self.budget_mb - max(excess, 0.05 * self.budget_mb),
                      0.01 * self.budget_mb)
-        if self.verbose:
-            io_utils.print_msg(f"tfremat: {over}: re-planning for {target:.1f} MiB.")
         floor_mb = None
         try:
             plan = self._plan(target, sample=self._sample, why=(
@@ -587,6 +585,11 @@ class Planner(keras.callbacks.Callback):
                 f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
                 "exceeded. Lower the batch size or raise the budget.",
                 RuntimeWarning)
+        else:
+            # An epoch over the budget is not to be missed, verbose or not.
+            warn(f"tfremat: {over}: re-planned for {target:.1f} MiB (the budget less "
+                 "what the step measured above the plan's estimate); the epoch's peak "
+                 "keeps the steps before.", RuntimeWarning)
         self.replans += 1
         self._install(_replanned(plan, self.budget_mb))
 
