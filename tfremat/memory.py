@@ -15,7 +15,7 @@ from tfremat.backend import NO_STATS_HINT, device_name, require_tensorflow
 from tfremat.core import UnsupportedModelError, interrupts_deferred
 from tfremat.graph import (TRACE_ERRORS, batch_specs, forgetting_custom_gradients,
                            require_built, stand_ins, step_function, target_candidates,
-                           untraceable)
+                           unbuilt_layers, untraceable)
 
 logger = logging.getLogger("tfremat")
 
@@ -256,6 +256,7 @@ def _trace_and_measure(model: keras.Model, x: Any, x_spec: Any, given: Any,
                        candidates: list[Any], jit: bool, repeats: int) -> MeasuredPeak:
     """Traces the step for the first target spec that works and measures it."""
     errors: list[Exception] = []
+    unbuilt = unbuilt_layers(model)
     for y_spec in candidates:
         y = given[1] if given else synthetic_batch(y_spec, 2)
         # Each target spec gets its own copies and tf.function: a failed trace
@@ -274,4 +275,4 @@ def _trace_and_measure(model: keras.Model, x: Any, x_spec: Any, given: Any,
                 continue
             with _creating_no_variables(model):
                 return _measure_traced(step, concrete, model, x, y, repeats)
-    raise untraceable(model, errors) from errors[-1]
+    raise untraceable(model, errors, unbuilt) from errors[-1]

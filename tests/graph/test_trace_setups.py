@@ -6,6 +6,7 @@ variables); the graph must describe the trace TensorFlow keeps.
 """
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -181,3 +182,47 @@ def test_a_step_running_the_model_twice_is_refused():
     with pytest.raises(UnsupportedModelError,
                        match=r"calls layer 'conv0' 2 times.*custom train_step"):
         tfremat.extract(model, batch_size=4)
+
+
+class BuiltByShape(keras.Model):
+    """A subclassed model without its own `build()`: `model.build(shape)` marks
+    it built and builds none of its layers (Keras warns)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = [keras.Sequential([keras.layers.Dense(8), keras.layers.ReLU()])
+                       for _ in range(2)]
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x, training=None):
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(x)
+
+
+def built_by_shape() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    model = BuiltByShape()
+    with pytest.warns(UserWarning, match="does not have a `build\\(\\)` method"):
+        model.build((None, 4))
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    return model
+
+
+def test_layers_left_unbuilt_by_model_build_are_named_with_the_way_out():
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    with pytest.raises(UnsupportedModelError,
+                       match=r"Layers .*dense.* are not built .*model\(x\[:1\]\)"):
+        tfremat.extract(built_by_shape(), sample=(x, y))
+
+
+def test_the_planner_builds_layers_left_unbuilt_by_model_build():
+    x = np.random.default_rng(0).standard_normal((32, 4)).astype("float32")
+    y = np.random.default_rng(1).standard_normal((32, 2)).astype("float32")
+    plain = built_by_shape()
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    model = built_by_shape()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[tfremat.Planner(1e9, verbose=0)])
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -20,10 +20,11 @@ from tfremat.graph.training_state import forgetting_custom_gradients, stand_ins 
 from tfremat.graph.timing import measure_layer_times  # noqa: E402
 from tfremat.graph.tracing import (TRACE_ERRORS, TracedStep, batch_specs,  # noqa: E402
                                  require_built, step_function, target_candidates, trace,
-                                 untraceable)
+                                 unbuilt_layers, untraceable)
 
 __all__ = ["TRACE_ERRORS", "CallSite", "TracedStep", "as_functional", "batch_specs",
            "extract", "fingerprint", "forgetting_custom_gradients", "is_subclassed",
            "measure_layer_times",
            "require_built", "stand_ins", "step_function", "structure_graph",
-           "target_candidates", "trace", "untraceable", "walk", "walk_with_outputs"]
+           "target_candidates", "trace", "unbuilt_layers", "untraceable", "walk",
+           "walk_with_outputs"]

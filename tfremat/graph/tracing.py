@@ -180,16 +180,31 @@ def _fix_batch(spec: Any, batch_size: int | None, where: str) -> Any:
 TRACE_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
 
 
-def untraceable(model: keras.Model, errors: list[Exception]) -> UnsupportedModelError:
+def unbuilt_layers(model: keras.Model) -> list[str]:
+    """Names of the model's layers not built yet (taken before a step is traced:
+    the trace builds them)."""
+    return [layer.name for layer in model._flatten_layers(include_self=False)
+            if not layer.built]
+
+
+def untraceable(model: keras.Model, errors: list[Exception],
+                unbuilt: list[str] = ()) -> UnsupportedModelError:
     """The error for a step no target spec traces with; `errors`, the error of
-    each spec tried, in order (see `target_candidates`). An error that is not
-    about shapes (the step's own, whatever its targets) is given alone; when
-    every kind of target failed on shapes, each kind's error is listed with a
-    hint to pass real targets."""
+    each spec tried, in order (see `target_candidates`); `unbuilt`, the
+    layers not built before (`unbuilt_layers`). An error that is not about
+    shapes (the step's own, whatever its targets) is given alone; when every
+    kind of target failed on shapes, each kind's error is listed with a hint
+    to pass real targets."""
     own = [e for e in errors if not _about_shapes(e)]
     if own or len(errors) == 1:
+        first = (own or errors)[0]
+        hint = (f" Layers {', '.join(unbuilt[:5])}{', ...' if len(unbuilt) > 5 else ''} "
+                "are not built (Keras's `model.build(shape)` builds no sublayers of a "
+                "model without its own `build()`): call the model on a batch first, "
+                "e.g. `model(x[:1])`." if unbuilt and "Unknown variable" in str(first)
+                else "")
         return UnsupportedModelError(
-            f"Could not trace a training step of {model.name!r}: {(own or errors)[0]}")
+            f"Could not trace a training step of {model.name!r}: {first}{hint}")
     hint = "Pass sample=(x, y) with a real batch so the targets' shape is known."
     tried = "\n".join(f"- with {kind} targets: {e}" for kind, e in zip(_TARGET_KINDS, errors))
     return UnsupportedModelError(
@@ -454,6 +469,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
                 if tf.distribute.in_cross_replica_context() else 1)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     errors: list[Exception] = []
+    unbuilt = unbuilt_layers(model)
     recorder = _Recorder(sites_by_op, ops_of)
     for y in candidates:
         started = time.perf_counter()
@@ -486,7 +502,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
         seconds = time.perf_counter() - started
         break
     else:
-        raise untraceable(model, errors) from errors[-1]
+        raise untraceable(model, errors, unbuilt) from errors[-1]
     if recorder.graph is not concrete.graph:
         raise UnsupportedModelError(
             f"The traced step of {model.name!r} is not the graph its layer calls were "
