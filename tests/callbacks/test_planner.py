@@ -723,6 +723,26 @@ def test_what_other_callbacks_do_between_steps_is_not_the_steps_peak():
 HOG_MIB = 256
 
 
+def test_a_dataset_of_unknown_length_trains_every_epoch_with_the_plan():
+    """Such a dataset ends each epoch by raising out of the train function; the
+    Planner took that for a failure and gave the model back: the epochs after
+    the first trained without the plan (and logged a peak of 0.0)."""
+    x, y = data(2)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(BATCH)
+    assert ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    planner = tfremat.Planner(1e9, verbose=0, measure=False)
+    installed = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            installed.append(planner._installation is not None)
+
+    hist = make_model().fit(ds, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[planner, Watch()])
+    assert installed == [True] * 4
+    assert all(peak > 0 for peak in hist.history["peak_memory_mb"]), hist.history
+
+
 def test_the_trials_of_a_plan_that_measured_over_the_budget_are_said_once(monkeypatch, capsys):
     """The BudgetError's warning lists what was measured; the report of the plan
     trained does not list it again as if the plan had been chosen to fit."""

@@ -308,8 +308,8 @@ class Planner(keras.callbacks.Callback):
 
     def _train_step(self, iterator: Any) -> Any:
         """The model's train function during this fit: plans at the first call,
-        then runs the planned step. Any exception (Ctrl-C included) restores the
-        model before it propagates."""
+        then runs the planned step. Any exception (Ctrl-C included) but the end
+        of the data restores the model before it propagates."""
         if self.model.history is not self._fit:
             # Called by a fit this callback is not part of: an earlier fit with
             # it was interrupted between steps. Give the model back and go on.
@@ -328,6 +328,10 @@ class Planner(keras.callbacks.Callback):
             self._step_peak_mb = self._peak_mb()
             self._epoch_peak_mb = max(self._epoch_peak_mb, self._step_peak_mb)
             return logs
+        except (StopIteration, tf.errors.OutOfRangeError):
+            # The data ran out (a dataset of unknown length): Keras ends the
+            # epoch, and the next one trains with the plan too.
+            raise
         except BaseException:
             self._restore()
             raise
