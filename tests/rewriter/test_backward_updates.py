@@ -185,8 +185,8 @@ def test_under_xla_updates_in_backward_train_as_plain_xla(model_name, optimizer)
     # And the updates did run inside the compiled backward pass: no gradient of
     # an own weight is left over for `apply`.
     rewritten = rewrite_model(model, plan)
-    rewritten.compile(optimizer=model.optimizer, loss="mse")
-    x, y, _ = data_for(model, 1)
+    x, y, loss = data_for(model, 1)
+    rewritten.compile(optimizer=model.optimizer, loss=loss)
     left = left_for_apply(rewritten, x[:BATCH], y[:BATCH], jit_compile=True)
     assert len(left) == (1 if model_name == "transformer" else 0)  # the tied embedding
 
