@@ -16,7 +16,7 @@ from tfremat import api
 from tfremat.core import (MIB, BudgetError, Plan, PlanGraph, UnsupportedModelError,
                           interrupts_deferred, warn)
 from tfremat.export import picture_format, summary, write_picture
-from tfremat.graph import extract, unbuilt_layers
+from tfremat.graph import extract, is_subclassed, unbuilt_layers
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available
 from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
@@ -355,7 +355,7 @@ class Planner(keras.callbacks.Callback):
             batches.append(nxt.get_value())
         batches = [self._global_batch(b) for b in batches]
         sample = self._sample = self._replica_batch(batches[0])
-        if not model.built or unbuilt_layers(model):
+        if not model.built or (is_subclassed(model) and unbuilt_layers(model)):
             # Without a distribution strategy, Keras's TensorFlow trainer builds an
             # unbuilt model while tracing the first step; planning needs it built
             # first, so build it as Keras does on its other backends. (Also a
