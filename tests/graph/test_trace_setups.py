@@ -226,3 +226,16 @@ def test_the_planner_builds_layers_left_unbuilt_by_model_build():
               callbacks=[tfremat.Planner(1e9, verbose=0)])
     for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_model_built_by_shape_is_rewritten_with_a_segment():
+    """Its build shape has no batch size (`model.build((None, 4))`), from which
+    the rewrite made a batch to find the order of the calls, and failed
+    (`np.zeros` of None): a Planner fit crashed once a plan recomputed."""
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    model = built_by_shape()
+    model(x[:1])  # what the error about unbuilt layers advises
+    graph = tfremat.extract(model, sample=(x, y))
+    ids = [n.id for n in graph if not n.is_input]
+    rewritten = tfremat.rewrite(model, tfremat.Plan.from_segments(graph, [ids[:2]]))
+    np.testing.assert_allclose(rewritten(x).numpy(), model(x).numpy(), rtol=1e-6)

@@ -117,8 +117,11 @@ def _model_inputs(model: keras.Model, sample: Any) -> Any:
             f"Cannot tell the input shape of subclassed model {model.name!r} "
             f"(built with {shapes or 'no shapes'}). Pass sample=<one input batch>.")
     shape = next(iter(shapes.values()))
+    # `model.build((None, ...))` leaves the batch unknown: a batch of one finds
+    # the order of the calls as well.
     return tree.map_shape_structure(
-        lambda s: tf.TensorSpec(s, model.input_dtype), shape)
+        lambda s: tf.TensorSpec([1 if d is None else d for d in s], model.input_dtype),
+        shape)
 
 
 def _substitute(value: Any, proxies: dict[int, RecomputedCall]) -> Any:
