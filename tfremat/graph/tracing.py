@@ -109,8 +109,9 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
                 None if y is None else tf.nest.map_structure(to_spec, y))
     if getattr(model, "inputs", None) is None:
         raise UnsupportedModelError(
-            f"Model {model.name!r} has no known inputs (a subclassed model that was "
-            "never called). Pass sample=(x, y) with one training batch.")
+            f"Model {model.name!r} has no known inputs (Keras records no input "
+            "tensors for a subclassed model), so batch_size alone does not give the "
+            "step's shapes. Pass sample=(x, y) with one training batch.")
     if batch_size is None:
         raise ValueError("Pass batch_size=... or sample=(x, y) to say the batch shape.")
     x_spec = [tf.TensorSpec((batch_size, *t.shape[1:]), t.dtype) for t in model.inputs]
