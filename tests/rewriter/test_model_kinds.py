@@ -222,6 +222,17 @@ def test_a_class_that_cannot_be_rebuilt_is_refused_with_the_way_out():
         rewrite_model(model, h.plan_for(model, []))
 
 
+def test_a_sequential_subclass_with_its_own_train_step_is_refused_with_the_way_out():
+    class HalvedSequential(keras.Sequential):
+        train_step = HalvedGradients.train_step
+
+    keras.utils.set_random_seed(18)
+    model = HalvedSequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    with pytest.raises(tfremat.UnsupportedModelError,
+                       match=r"HalvedSequential, whose own train_step .* tfremat.Planner"):
+        rewrite_model(model, h.plan_for(model, []))
+
+
 def test_the_planner_runs_a_plan_inside_a_class_that_cannot_be_rebuilt():
     """The Planner runs only the rewritten graph's call inside the user's model,
     so a class whose constructor takes other arguments trains with a plan,

@@ -280,6 +280,12 @@ def _of_own_class(model: keras.Model, rewritten: keras.Model) -> keras.Model:
            if getattr(cls, m, None) is not getattr(keras.Model, m, None)]
     if not own:
         return rewritten
+    if isinstance(model, keras.Sequential):
+        raise UnsupportedModelError(
+            f"{model.name!r} is a {cls.__name__}, whose own {', '.join(own)} the "
+            "rewritten model must keep, but a rewritten model is functional, which a "
+            "subclass of keras.Sequential cannot be. Use tfremat.Planner in fit, which "
+            "runs the plan inside your model.")
     try:
         return cls(inputs=rewritten._inputs_struct, outputs=rewritten._outputs_struct,
                    name=rewritten.name)
