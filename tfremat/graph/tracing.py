@@ -16,7 +16,7 @@ import dataclasses
 import numbers
 import re
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import keras
 import numpy as np
@@ -189,7 +189,7 @@ def unbuilt_layers(model: keras.Model) -> list[str]:
 
 
 def untraceable(model: keras.Model, errors: list[Exception],
-                unbuilt: list[str] = ()) -> UnsupportedModelError:
+                unbuilt: Sequence[str] = ()) -> UnsupportedModelError:
     """The error for a step no target spec traces with; `errors`, the error of
     each spec tried, in order (see `target_candidates`); `unbuilt`, the
     layers not built before (`unbuilt_layers`). An error that is not about

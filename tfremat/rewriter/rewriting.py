@@ -34,10 +34,11 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
     Functional and Sequential models are rebuilt node by node (nested
     functional models are flattened), as a `keras.Model`, or of the model's
     own class when it has its own `train_step` (or `compute_loss`, ...:
-    `functional.TRAINING_METHODS`) and takes `inputs`, `outputs` and `name`. Subclassed models get the block-level
-    fallback of `tfremat.rewriter.subclassed.rewrite_subclassed`: a new object
-    of the user's class sharing its sublayers, whose chosen sublayers run
-    under recomputation.
+    `functional.TRAINING_METHODS`) and takes `inputs`, `outputs` and `name`.
+    Subclassed models get the block-level fallback of
+    `tfremat.rewriter.subclassed.rewrite_subclassed`: a new object of the
+    user's class sharing its sublayers, whose chosen sublayers run under
+    recomputation.
 
     Host offload (`plan.offloaded`, functional and Sequential models): each
     offloaded tensor is copied to `host_device` after the call making it, and
