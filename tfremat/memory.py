@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 from typing import Any, Callable, Iterator
 
@@ -245,8 +246,11 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     jit = getattr(model, "jit_compile", False) is True
     given = _given_batch(sample)
     x = given[0] if given else synthetic_batch(x_spec, 1)
-    with forgetting_custom_gradients():
-        result = _trace_and_measure(model, x, x_spec, given, candidates, jit, repeats)
+    try:
+        with forgetting_custom_gradients():
+            result = _trace_and_measure(model, x, x_spec, given, candidates, jit, repeats)
+    finally:
+        gc.collect()  # the measured step's graph and its stand-ins, in reference cycles
     logger.info("Measured peak of %s on %s: %.1f MiB (the step added %.1f MiB).",
                 model.name, result.device, result.peak_mb, result.step_bytes / 2**20)
     return result if return_details else result.peak_bytes

@@ -72,14 +72,17 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
     >>> tfremat.simulate(graph).peak_mb
     """
     require_tensorflow()
-    traced = trace(model, batch_size=batch_size, sample=sample)
-    kernels = measure_kernel_workspaces(traced.ops) if measure_kernels else None
-    graph = build_plan_graph(model, traced, kernels)
-    # The traced graph holds the stand-in optimizer's slots (`stand_ins`) in
-    # reference cycles: left to Python's collector, a user's next `fit` peaked
-    # with them (an MLP with Adam: 97.3 MiB, 65.2 after collecting them).
-    del traced
-    gc.collect()
+    try:
+        traced = trace(model, batch_size=batch_size, sample=sample)
+        kernels = measure_kernel_workspaces(traced.ops) if measure_kernels else None
+        graph = build_plan_graph(model, traced, kernels)
+        del traced
+    finally:
+        # The traced graph holds the stand-in optimizer's slots (`stand_ins`)
+        # in reference cycles (`forgetting_custom_gradients`): left to Python's
+        # collector, a user's next `fit` peaked with them (an MLP with Adam:
+        # 97.3 MiB, 65.2 after collecting them).
+        gc.collect()
     if measure_times and not graph.metadata["subclassed"]:
         measure_layer_times(model, graph)
     return graph

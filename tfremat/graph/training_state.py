@@ -13,7 +13,6 @@ with it.
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Any, Iterator
 
 import keras
@@ -107,7 +106,8 @@ def forgetting_custom_gradients() -> Iterator[None]:
     weights on the device (measured on CPU: 3 calls, 8.6 -> 15.4 -> 20.7 MiB in
     use afterwards; with the entries dropped, 8.6 each time). Use it only
     around steps that are thrown away: nothing may differentiate their graphs
-    again.
+    again. The graphs are then garbage in reference cycles: collect them
+    (`gc.collect()`) once the caller has dropped its own references.
     """
     from tensorflow.python.framework import ops  # the registry has no public API
 
@@ -120,4 +120,3 @@ def forgetting_custom_gradients() -> Iterator[None]:
             for name in set(registry) - before:
                 if name.startswith("CustomGradient-"):
                     del registry[name]
-            gc.collect()  # the traced graphs and their captures, in cycles
