@@ -161,8 +161,10 @@ def test_sparse_labels_are_inferred_for_a_sparse_loss():
 
 def test_uncompiled_model_gets_a_default_step():
     model = residual_cnn()
-    uncompiled = keras.Model(model.inputs, model.outputs)
-    g = tfremat.extract(uncompiled, batch_size=2)
+    uncompiled = keras.Model(model.inputs, model.outputs, name="mine")
+    with pytest.warns(UserWarning, match="'mine' is not compiled.*compile it") as caught:
+        g = tfremat.extract(uncompiled, batch_size=2)
+    assert caught[0].filename == __file__  # the user's line, not tfremat's
     assert g.persistent_bytes["optimizer"] == 0
     assert len(g) == 8
 

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.core import UnsupportedModelError
+from tfremat.core import UnsupportedModelError, warn
 from tfremat.graph import costs
 from tfremat.graph.keras_graph import CallSite, is_subclassed, walk_with_outputs
 from tfremat.graph.training_state import forgetting_custom_gradients, stand_ins
@@ -384,6 +384,9 @@ class _Recorder:
 
 
 def _default_step(model: keras.Model) -> Any:
+    warn(f"tfremat: model {model.name!r} is not compiled, so its step is taken as a "
+         "mean-square loss of its outputs with SGD (no optimizer slots); compile it "
+         "with your loss and optimizer first to plan or measure your own step.")
     optimizer = keras.optimizers.SGD(0.01)
     optimizer.build(model.trainable_variables)
 
