@@ -131,8 +131,9 @@ class BudgetError(TfrematError, ValueError):
     try:
         plan = tfremat.plan(model, budget_mb=100, batch_size=32, measure=True)
     except tfremat.BudgetError as e:
-        plan = tfremat.plan(model, budget_mb=e.min_budget_mb, batch_size=32,
-                            measure=True)
+        if e.measured_plan is None:  # not measured: the minimum is a prediction
+            raise
+        plan = e.measured_plan       # measured lowest, within e.min_budget_mb
     ```
     """
 
