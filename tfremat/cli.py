@@ -15,7 +15,8 @@ _DEFAULT_SHAPES = {"inceptionv3": (139, 139, 3)}
 
 def load_model(name: str, *, input_shape: tuple[int, ...] | None = None,
                classes: int = 10) -> Any:
-    """A model from a `.keras` file or a `keras.applications` name (weights=None).
+    """A model from a `.keras` file or a `keras.applications` name (weights=None,
+    `classes` outputs: 10 unless given, not Keras's 1000).
 
     Raises:
         ValueError: the name is neither a file nor a known application.
@@ -48,6 +49,16 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"wants a positive whole number, got {text!r}")
+    return value
+
+
 def _console() -> Any:
     """A rich console at least 100 columns wide, so tables keep their headers
     on one line when output goes to a file or a narrow terminal."""
@@ -57,7 +68,7 @@ def _console() -> Any:
 
 
 def _prepare(args: argparse.Namespace) -> Any:
-    model = load_model(args.model, input_shape=args.input_shape)
+    model = load_model(args.model, input_shape=args.input_shape, classes=args.classes)
     if not model.compiled:
         model.compile(optimizer=args.optimizer, loss="categorical_crossentropy")
     return model
@@ -158,7 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("model", help="keras.applications name (e.g. resnet50) or .keras file")
     est.add_argument("--batch-size", type=int, default=16,
                      help="batch size of the step (default: 16)")
-    est.add_argument("--input-shape", default=None, type=_parse_shape, help="e.g. 128,128,3")
+    est.add_argument("--input-shape", default=None, type=_parse_shape,
+                     help="of a keras.applications model, e.g. 128,128,3 (default: 96,96,3; "
+                          "139,139,3 for inceptionv3)")
+    est.add_argument("--classes", type=_positive_int, default=10,
+                     help="outputs of a keras.applications model (default: 10, where "
+                          "Keras's own default is 1000)")
     est.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     est.add_argument("--measure", action="store_true",
                      help="also run real steps and report the measured peak")
@@ -170,7 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="device budget for a whole step, MiB, weights included")
     pl.add_argument("--batch-size", type=int, default=16,
                     help="batch size of the step planned (default: 16)")
-    pl.add_argument("--input-shape", default=None, type=_parse_shape, help="e.g. 128,128,3")
+    pl.add_argument("--input-shape", default=None, type=_parse_shape,
+                     help="of a keras.applications model, e.g. 128,128,3 (default: 96,96,3; "
+                          "139,139,3 for inceptionv3)")
+    pl.add_argument("--classes", type=_positive_int, default=10,
+                     help="outputs of a keras.applications model (default: 10, where "
+                          "Keras's own default is 1000)")
     pl.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     pl.add_argument("--planner", default="auto")
     pl.add_argument("--objective", default="time", choices=("time", "memory"),
