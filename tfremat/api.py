@@ -124,7 +124,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         sample: One batch `(x, y)` or a `tf.data.Dataset`, instead of `batch_size`.
         planner: `"auto"` or one of `"chen-sqrt"`, `"chen-greedy"`,
             `"chen-drop-cheap"`, `"chen-recursive"`, `"exact-dp"`, `"approx-dp"`,
-            `"swap"`, `"dqn"`.
+            `"swap"`, `"dqn"`, `"every-unit"` (each unit recomputed on its own).
         objective: `"time"` (least recomputation under the budget) or `"memory"`
             (Kusumoto et al.'s memory-centric strategy) for the DP planners.
         offload: Let planner `"auto"` offload activations to host memory when

@@ -80,7 +80,7 @@ def test_an_agent_that_never_acts_falls_back_to_auto_with_a_warning(tmp_path):
     graph = G.resnet_like(4)
     plain = simulate(graph)
     budget = int(plain.persistent_bytes + 0.6 * plain.activation_peak_bytes)
-    with pytest.warns(UserWarning, match="using planner 'auto''s plan instead"):
+    with pytest.warns(UserWarning, match="using the plan of planner 'auto' instead"):
         plan = dqn(graph, budget, weights=tmp_path / "zeros.npz")
     assert plan.estimates.details["fallback"] == "auto"
     assert plan.estimates.details["actions"] == {"swap": 0, "remove": 0}

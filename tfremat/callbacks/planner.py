@@ -85,8 +85,8 @@ class Planner(keras.callbacks.Callback):
         replan: Re-plan when the measured peak exceeds the budget.
         max_replans: How many times to re-plan at most.
         measure: Measure, then choose (`tfremat.plan(..., measure=True)`):
-            before training, run the planned step on zeros of the first
-            batch's shapes, and plans for lower budgets while it measures over
+            before training, run the planned step on the first batch (one
+            device's share of it), and plans for lower budgets while it measures over
             the budget, every variable restored after each; train with the
             fastest plan that measured within the budget (when none did, the
             one that measured lowest, with a warning). Not done under a

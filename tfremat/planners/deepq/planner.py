@@ -183,11 +183,11 @@ def _fallback(graph: PlanGraph, budget_bytes: int, settings: dict, lowest_peak: 
         raise BudgetError(budget_bytes, min(lowest_peak, err.min_budget_bytes), "dqn",
                           f"{missed}; planner 'auto' reached "
                           f"{err.min_budget_mb:.1f} MiB.") from None
-    warn(f"{missed}: using planner 'auto''s plan instead.")
+    warn(f"{missed}: using the plan of planner 'auto' instead.")
     plan.planner = "dqn"
     plan.settings = {**settings, "fallback": "auto"}
     plan.estimates = simulate(graph, plan, bandwidth_gbps=settings["bandwidth_gbps"],
                               device_flops=settings["device_flops"]).plan_estimate(
         with_time=True, details={**details, "fallback": "auto"},
-        note=f"{stopped}{missed}; this is planner 'auto''s plan ({plan.estimates.note})")
+        note=f"{stopped}{missed}; this is the plan of planner 'auto' ({plan.estimates.note})")
     return plan
