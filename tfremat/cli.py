@@ -149,7 +149,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from tfremat.demo import run_demo
 
     result = run_demo(batch_size=args.batch_size, steps=args.steps, epochs=args.epochs,
-                      budget_fraction=args.budget_fraction, export=args.export,
+                      budget_fraction=args.budget_fraction, export=args.export or None,
                       plot=args.plot or None)
     # An epoch may run a plan that measured over the budget before the Planner
     # re-planned; the final plan's measured peak shows where training settled.
@@ -221,13 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a ResNet-style model under a budget")
     demo.add_argument("--batch-size", type=int, default=32, help="(default: 32)")
-    demo.add_argument("--steps", type=int, default=8, help="steps per epoch")
-    demo.add_argument("--epochs", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=8, help="steps per epoch (default: 8)")
+    demo.add_argument("--epochs", type=int, default=2, help="(default: 2)")
     demo.add_argument("--budget-fraction", type=float, default=0.75,
-                      help="budget as a fraction of the measured plain peak")
-    demo.add_argument("--export", default="tfremat_plan.png")
+                      help="budget as a fraction of the measured plain peak (default: 0.75)")
+    demo.add_argument("--export", default="tfremat_plan.png",
+                      help="plan picture (default: tfremat_plan.png; .dot without "
+                           "Graphviz); '' for none")
     demo.add_argument("--plot", default="tfremat_memory.png",
-                      help="memory timeline image; '' for none")
+                      help="memory timeline image (default: tfremat_memory.png); '' for none")
     demo.set_defaults(func=cmd_demo)
     return parser
 
