@@ -58,6 +58,27 @@ def test_bad_names_are_refused_at_construction(kwargs, message):
         tfremat.plan(tiny(), 100, batch_size=4, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"max_trials": 0}, ValueError, "max_trials must be at least 1, got 0"),
+    ({"max_trials": -1}, ValueError, "max_trials must be at least 1, got -1"),
+    ({"max_trials": 2.5}, TypeError, "max_trials must be a whole number, got 2.5"),
+    ({"verbose": 5}, ValueError, "verbose must be 0, 1 or 2, got 5"),
+    ({"verbose": "loud"}, ValueError, "verbose must be 0, 1 or 2, got 'loud'"),
+])
+def test_bad_counts_are_refused_where_they_are_given(kwargs, error, message):
+    # max_trials=-1 used to measure without limit, 0 measured one plan anyway.
+    with pytest.raises(error, match=message):
+        tfremat.Planner(100, **kwargs)
+    with pytest.raises(error, match=message):
+        tfremat.plan(tiny(), 100, batch_size=4, measure=True, **kwargs)
+
+
+@pytest.mark.parametrize("max_replans, error", [(-1, ValueError), ("2", TypeError)])
+def test_a_bad_max_replans_is_refused(max_replans, error):
+    with pytest.raises(error, match="max_replans must be"):
+        tfremat.Planner(100, max_replans=max_replans)
+
+
 def test_the_old_strategy_keyword_still_works_with_a_deprecation_warning():
     model = tiny()
     graph = tfremat.extract(model, batch_size=4)

@@ -59,6 +59,28 @@ def check_positive(value: Any, name: str, unit: str) -> float:
     return number
 
 
+def check_count(value: Any, name: str, minimum: int) -> int:
+    """`value`, a whole number at least `minimum`, or a clear error.
+
+    Raises:
+        TypeError: not a whole number (a float, a string, None, a bool).
+        ValueError: below `minimum`.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a whole number, got {value!r} "
+                        f"({type(value).__name__}).")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value!r}.")
+    return int(value)
+
+
+def check_verbose(verbose: Any) -> int:
+    """`verbose` as 0, 1 or 2 (a bool as 0 or 1), or a clear error (ValueError)."""
+    if verbose not in (0, 1, 2):
+        raise ValueError(f"verbose must be 0, 1 or 2, got {verbose!r}.")
+    return int(verbose)
+
+
 def check_planner(planner: str, objective: str, offload: bool | str = "auto",
                   update_in_backward: bool | str = False,
                   pin_order: bool | str = "auto") -> None:
@@ -205,6 +227,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     objective = deprecated_strategy(strategy, objective)
     budget_mb = check_budget_mb(budget_mb)
     check_planner(planner, objective, offload, update_in_backward, pin_order)
+    verbose = check_verbose(verbose)
+    max_trials = check_count(max_trials, "max_trials", 1)
     if measure_time_limit is not None:
         measure_time_limit = check_positive(measure_time_limit, "measure_time_limit",
                                             "seconds")

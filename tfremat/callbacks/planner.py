@@ -156,7 +156,7 @@ class Planner(keras.callbacks.Callback):
         self.planner = planner
         self.objective = objective
         self.offload = offload
-        self.verbose = verbose
+        self.verbose = api.check_verbose(verbose)
         if export is not None:
             picture_format(export)  # an unknown extension is refused here, not mid-fit
         self.export = export
@@ -164,9 +164,9 @@ class Planner(keras.callbacks.Callback):
         self.log_memory = log_memory
         self.log_batches = log_batches
         self.replan = replan
-        self.max_replans = max_replans
+        self.max_replans = api.check_count(max_replans, "max_replans", 0)
         self.measure = measure
-        self.max_trials = max_trials
+        self.max_trials = api.check_count(max_trials, "max_trials", 1)
         self.measure_time_limit = (None if measure_time_limit is None else api.check_positive(
             measure_time_limit, "measure_time_limit", "seconds"))
         self.update_in_backward = update_in_backward
