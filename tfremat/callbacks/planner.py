@@ -24,6 +24,15 @@ from tfremat.rewriter import PlanInstallation
 from tfremat.simulation import simulate
 
 
+#: Said when a step with updates in the backward pass raises from TensorFlow.
+PARTIAL_STEP = (
+    "tfremat: the training step failed with its optimizer updates inside the backward "
+    "pass: the layers whose update ran before the error keep this step's update, and "
+    "the optimizer's step counter may differ from what Keras leaves after a failed step "
+    "(plain Keras updates no weight in a failed step). To go on training from a model "
+    "left as plain Keras leaves it, use Planner(update_in_backward=False).")
+
+
 class Planner(keras.callbacks.Callback):
     """Makes each training step of `fit` fit a device memory budget.
 
@@ -316,9 +325,11 @@ class Planner(keras.callbacks.Callback):
             self._restore()
             self.model.make_train_function()
             return self.model.train_function(iterator)
+        stepping = False
         try:
             if self._installation is None:
                 iterator = self._plan_first_batch(iterator)
+            stepping = True
             if not self._stats:
                 return self._installation.run(iterator)
             # The step's peak alone: not the planning before it, nor what other
@@ -332,7 +343,9 @@ class Planner(keras.callbacks.Callback):
             # The data ran out (a dataset of unknown length): Keras ends the
             # epoch, and the next one trains with the plan too.
             raise
-        except BaseException:
+        except BaseException as error:
+            if stepping and isinstance(error, tf.errors.OpError) and self.plan.update_in_backward:
+                warn(PARTIAL_STEP, RuntimeWarning)
             self._restore()
             raise
 
