@@ -7,6 +7,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfremat.callbacks import Planner
 from tfremat.backend import device_name
@@ -48,18 +49,25 @@ def _compiled(seed: int) -> keras.Model:
     return model
 
 
-def _data(batch_size: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+def _data(batch_size: int, steps: int) -> tf.data.Dataset:
+    """Synthetic images and one-hot labels, batched.
+
+    A `tf.data.Dataset` rather than arrays: from arrays Keras makes an input
+    pipeline whose previous epoch's iterator, when it lived long (the first
+    epoch, while the Planner plans), took 10-38 s to release at the next epoch
+    (docs/troubleshooting.md, "The second epoch starts late").
+    """
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch_size * steps, 64, 64, 3)).astype("float32")
     y = keras.utils.to_categorical(rng.integers(0, 10, batch_size * steps), 10)
-    return x, y
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).prefetch(1)
 
 
-def _seconds_per_step(model: keras.Model, x: np.ndarray, y: np.ndarray, batch_size: int,
+def _seconds_per_step(model: keras.Model, data: tf.data.Dataset,
                       callbacks: list[keras.callbacks.Callback] = ()) -> float:
     """Mean wall time of a fit's steps after the first (tracing, planning)."""
     timer = _StepTimer()
-    model.fit(x, y, batch_size=batch_size, verbose=0, callbacks=[timer, *callbacks])
+    model.fit(data, verbose=0, callbacks=[timer, *callbacks])
     return timer.seconds_per_step
 
 
@@ -82,12 +90,12 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
     Returns:
         A dict of the measured figures.
     """
-    x, y = _data(batch_size, steps)
+    data = _data(batch_size, steps)
     # The plain step, measured inside fit as the budgeted run will be (on CPU the
     # allocator also holds the input pipeline's batches).
     plain = _compiled(seed=1)
     watch = Planner(1e9, verbose=0)  # no rewrite: it only measures
-    t_plain = _seconds_per_step(plain, x, y, batch_size, [watch])
+    t_plain = _seconds_per_step(plain, data, [watch])
     plain_peak = watch.epoch_peaks_mb[-1]
     budget_mb = round(plain_peak * budget_fraction)
     if verbose:
@@ -97,10 +105,9 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
     planner = Planner(budget_mb, verbose=verbose, export=export, plot=plot)
     # Before the planner: a step's time ends before a re-plan's trials begin.
     timer = _StepTimer(planner)
-    history = planned.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                          callbacks=[timer, planner])
+    history = planned.fit(data, epochs=epochs, verbose=verbose, callbacks=[timer, planner])
     # Step times interleaved in one process: plain, planned, plain.
-    t_plain = (t_plain + _seconds_per_step(plain, x, y, batch_size)) / 2
+    t_plain = (t_plain + _seconds_per_step(plain, data)) / 2
     t_planned = timer.seconds_per_step
     result = {
         "plain_peak_mb": plain_peak,
