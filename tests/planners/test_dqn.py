@@ -67,7 +67,7 @@ def test_plans_are_valid_and_within_budget_or_autos_with_a_warning(name, share):
     assert est.peak_bytes == plan.peak_bytes <= budget
     assert Plan.from_json(plan.to_json()) == plan
     fell_back = "fallback" in plan.estimates.details
-    assert fell_back == any("using planner 'auto'" in str(w.message) for w in caught)
+    assert fell_back == any("using the plan of planner 'auto'" in str(w.message) for w in caught)
     if fell_back:
         auto = make_plan(graph, budget, "auto", offload=True)
         assert (plan.segments, plan.offloaded) == (auto.segments, auto.offloaded)
