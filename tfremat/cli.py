@@ -187,11 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch-size", type=int, default=16,
                     help="batch size of the step planned (default: 16)")
     pl.add_argument("--input-shape", default=None, type=_parse_shape,
-                     help="of a keras.applications model, e.g. 128,128,3 (default: 96,96,3; "
-                          "139,139,3 for inceptionv3)")
+                    help="of a keras.applications model, e.g. 128,128,3 (default: 96,96,3; "
+                         "139,139,3 for inceptionv3)")
     pl.add_argument("--classes", type=_positive_int, default=10,
-                     help="outputs of a keras.applications model (default: 10, where "
-                          "Keras's own default is 1000)")
+                    help="outputs of a keras.applications model (default: 10, where "
+                         "Keras's own default is 1000)")
     pl.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
     pl.add_argument("--planner", default="auto")
     pl.add_argument("--objective", default="time", choices=("time", "memory"),
