@@ -50,24 +50,25 @@ def _compiled(seed: int) -> keras.Model:
 
 
 def _data(batch_size: int, steps: int) -> tf.data.Dataset:
-    """Synthetic images and one-hot labels, batched.
+    """Synthetic images and one-hot labels, batched, without tf.data's autotuning.
 
-    A `tf.data.Dataset` rather than arrays: from arrays Keras makes an input
-    pipeline whose previous epoch's iterator, when it lived long (the first
-    epoch, while the Planner plans), took 10-38 s to release at the next epoch
-    (docs/troubleshooting.md, "The second epoch starts late").
+    Releasing an epoch's iterator waits for its autotuning thread, which took
+    10-39 s at the start of epoch 2 when the iterator had lived through the
+    Planner's planning (docs/troubleshooting.md, "The second epoch starts late").
     """
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch_size * steps, 64, 64, 3)).astype("float32")
     y = keras.utils.to_categorical(rng.integers(0, 10, batch_size * steps), 10)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).prefetch(1)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).with_options(options)
 
 
 def _seconds_per_step(model: keras.Model, data: tf.data.Dataset,
                       callbacks: list[keras.callbacks.Callback] = ()) -> float:
     """Mean wall time of a fit's steps after the first (tracing, planning)."""
     timer = _StepTimer()
-    model.fit(data, verbose=0, callbacks=[timer, *callbacks])
+    model.fit(data, verbose=0, shuffle=False, callbacks=[timer, *callbacks])
     return timer.seconds_per_step
 
 
@@ -105,7 +106,8 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
     planner = Planner(budget_mb, verbose=verbose, export=export, plot=plot)
     # Before the planner: a step's time ends before a re-plan's trials begin.
     timer = _StepTimer(planner)
-    history = planned.fit(data, epochs=epochs, verbose=verbose, callbacks=[timer, planner])
+    history = planned.fit(data, epochs=epochs, verbose=verbose, shuffle=False,
+                          callbacks=[timer, planner])
     # Step times interleaved in one process: plain, planned, plain.
     t_plain = (t_plain + _seconds_per_step(plain, data)) / 2
     t_planned = timer.seconds_per_step
