@@ -59,9 +59,9 @@ def test_bad_names_are_refused_at_construction(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"max_trials": 0}, ValueError, "max_trials must be at least 1, got 0"),
-    ({"max_trials": -1}, ValueError, "max_trials must be at least 1, got -1"),
-    ({"max_trials": 2.5}, TypeError, "max_trials must be a whole number, got 2.5"),
+    ({"max_trials": 0}, ValueError, "max_trials must be a positive integer, got 0"),
+    ({"max_trials": -1}, ValueError, "max_trials must be a positive integer, got -1"),
+    ({"max_trials": 2.5}, TypeError, "max_trials must be an integer, got 2.5"),
     ({"verbose": 5}, ValueError, "verbose must be 0, 1 or 2, got 5"),
     ({"verbose": "loud"}, ValueError, "verbose must be 0, 1 or 2, got 'loud'"),
 ])

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import inter_op_threads
-from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment, warn
+from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment, check_count, warn
 from tfremat.graph import extract
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
@@ -57,21 +57,6 @@ def check_positive(value: Any, name: str, unit: str) -> float:
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"{name} must be a positive, finite number of {unit}, got {value!r}.")
     return number
-
-
-def check_count(value: Any, name: str, minimum: int) -> int:
-    """`value`, a whole number at least `minimum`, or a clear error.
-
-    Raises:
-        TypeError: not a whole number (a float, a string, None, a bool).
-        ValueError: below `minimum`.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a whole number, got {value!r} "
-                        f"({type(value).__name__}).")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value!r}.")
-    return int(value)
 
 
 def check_verbose(verbose: Any) -> int:
@@ -228,7 +213,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     budget_mb = check_budget_mb(budget_mb)
     check_planner(planner, objective, offload, update_in_backward, pin_order)
     verbose = check_verbose(verbose)
-    max_trials = check_count(max_trials, "max_trials", 1)
+    max_trials = check_count(max_trials, "max_trials")
     if measure_time_limit is not None:
         measure_time_limit = check_positive(measure_time_limit, "measure_time_limit",
                                             "seconds")

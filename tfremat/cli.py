@@ -59,6 +59,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The options that build the model (`_prepare`), for `estimate` and `plan`."""
+    parser.add_argument("--input-shape", default=None, type=_parse_shape,
+                        help="of a keras.applications model, e.g. 128,128,3 (default: "
+                             "96,96,3; 139,139,3 for inceptionv3)")
+    parser.add_argument("--classes", type=_positive_int, default=10,
+                        help="outputs of a keras.applications model (default: 10, where "
+                             "Keras's own default is 1000)")
+    parser.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
+
+
 def _console() -> Any:
     """A rich console at least 100 columns wide, so tables keep their headers
     on one line when output goes to a file or a narrow terminal."""
@@ -169,13 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("model", help="keras.applications name (e.g. resnet50) or .keras file")
     est.add_argument("--batch-size", type=int, default=16,
                      help="batch size of the step (default: 16)")
-    est.add_argument("--input-shape", default=None, type=_parse_shape,
-                     help="of a keras.applications model, e.g. 128,128,3 (default: 96,96,3; "
-                          "139,139,3 for inceptionv3)")
-    est.add_argument("--classes", type=_positive_int, default=10,
-                     help="outputs of a keras.applications model (default: 10, where "
-                          "Keras's own default is 1000)")
-    est.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
+    _add_model_options(est)
     est.add_argument("--measure", action="store_true",
                      help="also run real steps and report the measured peak")
     est.set_defaults(func=cmd_estimate)
@@ -186,13 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="device budget for a whole step, MiB, weights included")
     pl.add_argument("--batch-size", type=int, default=16,
                     help="batch size of the step planned (default: 16)")
-    pl.add_argument("--input-shape", default=None, type=_parse_shape,
-                    help="of a keras.applications model, e.g. 128,128,3 (default: 96,96,3; "
-                         "139,139,3 for inceptionv3)")
-    pl.add_argument("--classes", type=_positive_int, default=10,
-                    help="outputs of a keras.applications model (default: 10, where "
-                         "Keras's own default is 1000)")
-    pl.add_argument("--optimizer", default="sgd", help="when the model is not compiled")
+    _add_model_options(pl)
     pl.add_argument("--planner", default="auto")
     pl.add_argument("--objective", default="time", choices=("time", "memory"),
                     help="for the DP planners: least extra compute, or least memory")

@@ -14,7 +14,7 @@ from keras.src.utils import io_utils  # print_msg: Keras has no public equivalen
 
 from tfremat import api
 from tfremat.core import (MIB, BudgetError, Plan, PlanGraph, UnsupportedModelError,
-                          interrupts_deferred, warn)
+                          check_count, interrupts_deferred, warn)
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract, is_subclassed, unbuilt_layers
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available
@@ -173,9 +173,9 @@ class Planner(keras.callbacks.Callback):
         self.log_memory = log_memory
         self.log_batches = log_batches
         self.replan = replan
-        self.max_replans = api.check_count(max_replans, "max_replans", 0)
+        self.max_replans = check_count(max_replans, "max_replans", minimum=0)
         self.measure = measure
-        self.max_trials = api.check_count(max_trials, "max_trials", 1)
+        self.max_trials = check_count(max_trials, "max_trials")
         self.measure_time_limit = (None if measure_time_limit is None else api.check_positive(
             measure_time_limit, "measure_time_limit", "seconds"))
         self.update_in_backward = update_in_backward

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import re
 import time
 from typing import Any, Iterator, Sequence
@@ -22,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.core import UnsupportedModelError, warn
+from tfremat.core import UnsupportedModelError, check_count, warn
 from tfremat.graph import costs
 from tfremat.graph.keras_graph import CallSite, is_subclassed, walk_with_outputs
 from tfremat.graph.training_state import forgetting_custom_gradients, stand_ins
@@ -86,12 +85,8 @@ def batch_specs(model: keras.Model, *, batch_size: int | None = None,
         ValueError: `batch_size` is not positive, or the batch shape is unknown
             (an empty dataset).
     """
-    if batch_size is not None and (isinstance(batch_size, bool)
-                                   or not isinstance(batch_size, numbers.Integral)):
-        raise TypeError(f"batch_size must be an integer, got {batch_size!r} "
-                        f"({type(batch_size).__name__}).")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    if batch_size is not None:
+        check_count(batch_size, "batch_size")
     if isinstance(sample, tf.data.Dataset):
         spec = sample.element_spec
         x_spec, y_spec = (spec[0], spec[1]) if isinstance(spec, tuple) and len(spec) >= 2 \
