@@ -14,9 +14,13 @@ So, in two steps:
    against the measured peak (issue #12's measure: within 10% and 5%, the median
    and the worst).
 
+A change to the extraction is scored the same way: `--save` again with it into
+another directory, then `--load` the measured plans with `--graphs` that
+directory (the plans name layer calls, which stay the same).
+
 Usage:
     python benchmarks/rescore.py --save /tmp/plans [--models ResNet50,UNet]
-    python benchmarks/rescore.py --load /tmp/plans [--rows]
+    python benchmarks/rescore.py --load /tmp/plans [--rows] [--graphs /tmp/plans2]
 """
 
 from __future__ import annotations
@@ -65,15 +69,16 @@ def save(directory: str, names: list[str]) -> None:
         print(f"{record['model']}: {len(rows)} plans saved", flush=True)
 
 
-def load(directory: str, show_rows: bool) -> list[float]:
-    """Prints the prediction errors of the saved plans; returns them."""
+def load(directory: str, show_rows: bool, graphs: str | None = None) -> list[float]:
+    """Prints the prediction errors of the saved plans, simulated on the graphs
+    saved with them or in `graphs`; returns them."""
     from tfremat.core import Plan, PlanGraph
     from tfremat.simulation import simulate
 
     errors: list[float] = []
     for name in sorted(os.listdir(directory)):
         here = os.path.join(directory, name)
-        graph = PlanGraph.from_json(os.path.join(here, "graph.json"))
+        graph = PlanGraph.from_json(os.path.join(graphs or directory, name, "graph.json"))
         with open(os.path.join(here, "rows.json")) as f:
             saved = json.load(f)
         plain = simulate(graph).peak_bytes / MIB
@@ -109,11 +114,13 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS),
                         help="With --save: comma-separated subset of " + ", ".join(MODELS))
     parser.add_argument("--rows", action="store_true", help="With --load: every row.")
+    parser.add_argument("--graphs", metavar="DIR",
+                        help="With --load: simulate on the graphs another --save put in DIR.")
     args = parser.parse_args()
     if args.save:
         save(args.save, model_names(parser, args.models, MODELS))
     else:
-        load(args.load, args.rows)
+        load(args.load, args.rows, args.graphs)
 
 
 if __name__ == "__main__":
