@@ -162,6 +162,45 @@ def test_too_optimistic_first_plan_is_replanned(monkeypatch):
     assert "Re-planned for:" in text
 
 
+@pytest.mark.filterwarnings("ignore:tfremat. the measured peak")
+def test_a_later_fit_starts_with_the_plan_the_last_one_ended_with(budget_mb, monkeypatch,
+                                                                 capsys):
+    """A second fit with the same callback neither plans nor measures again
+    when the step is the same (a re-planned plan would otherwise go over the
+    budget again in its first epoch), and plans again when it changed."""
+    x, y = data()
+    real_plan = planner_module.api.plan
+    calls = []
+
+    def counted(model, budget, **kwargs):
+        calls.append(budget)
+        return real_plan(model, budget, **kwargs)
+
+    monkeypatch.setattr(planner_module.api, "plan", counted)
+    planner = tfremat.Planner(budget_mb, measure=False, replan=False, verbose=1)
+    model = make_model()
+    fit = dict(batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[planner])
+    model.fit(x, y, **fit)
+    first = planner.plan
+    assert len(calls) == 1 and not first.is_empty
+    capsys.readouterr()
+    hist = model.fit(x, y, **fit)
+    assert len(calls) == 1 and planner.plan is first
+    assert "starts with the plan that fit ended with" in capsys.readouterr().out
+    assert hist.history["peak_memory_mb"]
+    # Another optimizer (momentum adds a slot per weight) changes the step ...
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss="categorical_crossentropy")
+    model.fit(x, y, **fit)
+    assert len(calls) == 2
+    # ... and so does another batch size; a new learning rate does not.
+    model.fit(x, y, **{**fit, "batch_size": BATCH // 2})
+    assert len(calls) == 3
+    model.optimizer.learning_rate.assign(0.001)
+    model.fit(x, y, **{**fit, "batch_size": BATCH // 2})
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("trial_mb", [None, 30.0])
 def test_a_replan_takes_off_what_the_step_measured_above_the_plans_estimate(
         monkeypatch, trial_mb):

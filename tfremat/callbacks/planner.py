@@ -59,6 +59,12 @@ class Planner(keras.callbacks.Callback):
     `tfremat` was imported), it warns, trains with the predicted plan and logs
     only `predicted_peak_mb`.
 
+    A later `fit` with the same callback traces the step again; when nothing a
+    plan depends on changed (the layers, shapes, trainable weights, optimizer
+    settings other than the learning rate, `jit_compile`), it trains with the
+    plan the last fit ended with, re-planned or not, without measuring
+    candidates again.
+
     With `plot="memory.png"` it draws the predicted device memory over one step,
     without and with the plan, the budget and the measured epoch peaks
     (`tfremat.plot_memory`), updated at each epoch end. When the fit also has a
@@ -181,6 +187,8 @@ class Planner(keras.callbacks.Callback):
         self.update_in_backward = update_in_backward
         self.pin_order = pin_order
         self.device = device_name()
+        # The plan the last completed fit ended with, and what its step was.
+        self._last: tuple[tuple, Plan] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -205,6 +213,8 @@ class Planner(keras.callbacks.Callback):
         self._lowest_measured: Plan | None = None  # the best effort of a measured BudgetError
         self._summary_writer: Any = None  # a TensorBoard callback's train run
         self._sharing = 1  # replicas whose steps the measured allocator holds
+        self._step_key: tuple | None = None  # `_step_key` of this fit's step
+        self._carried = False  # the plan in use is the last fit's
 
     # -- wiring fit's events ---------------------------------------------------
 
@@ -300,6 +310,8 @@ class Planner(keras.callbacks.Callback):
             self._summary_writer.flush()
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self.plan is not None and self._step_key is not None:
+            self._last = (self._step_key, self.plan)
         self._restore()
 
     def _restore(self) -> None:
@@ -381,7 +393,11 @@ class Planner(keras.callbacks.Callback):
             self.graph = extract(model, sample=sample)
             if traced:
                 traced(1)
-            plan = self._plan(self.budget_mb, sample=sample)
+            self._step_key = _step_key(model, self.graph)
+            if self._last is not None and self._last[0] == self._step_key:
+                plan, self._carried = self._last[1], True
+            else:
+                plan = self._plan(self.budget_mb, sample=sample)
         self._install(plan)
         return self._iterator_of(batches, static)
 
@@ -457,9 +473,13 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
             details = plan.estimates.details if plan.estimates else {}
+            if self._carried:
+                io_utils.print_msg(
+                    "tfremat: the step is the one the last fit with this callback "
+                    "trained; this fit starts with the plan that fit ended with.")
             # A plan that measured lowest over the budget came with a warning
             # that lists the trials already.
-            if details.get("trials") and plan is not self._lowest_measured:
+            elif details.get("trials") and plan is not self._lowest_measured:
                 io_utils.print_msg(
                     "tfremat: measured before training: "
                     + "; ".join(api.trial_text(t) for t in details["trials"])
@@ -610,6 +630,7 @@ class Planner(keras.callbacks.Callback):
                  "what the step measured above the plan's estimate); the epoch's peak "
                  "keeps the steps before.", RuntimeWarning)
         self.replans += 1
+        self._carried = False
         self._install(_replanned(plan, self.budget_mb))
 
     def _predicted_floor_mb(self) -> float:
@@ -619,6 +640,22 @@ class Planner(keras.callbacks.Callback):
             return self._plan(1 / MIB).peak_bytes / MIB  # a budget of one byte
         except BudgetError as e:
             return e.min_budget_mb
+
+
+def _step_key(model: keras.Model, graph: PlanGraph) -> tuple:
+    """What a plan for `model`'s step depends on: the layer calls and their
+    shapes, the persistent bytes, which calls have trainable weights, the
+    optimizer's settings (the learning rate aside, which callbacks change
+    between fits) and XLA."""
+    optimizer = getattr(model, "optimizer", None)
+    config = dict(optimizer.get_config()) if optimizer is not None else {}
+    config.pop("learning_rate", None)
+    return (graph.fingerprint(), repr(graph.metadata.get("batch_shape")),
+            tuple(sorted(graph.persistent_bytes.items())),
+            tuple((n.param_bytes, tuple(t.bytes for t in n.outputs)) for n in graph),
+            type(optimizer).__name__, repr(sorted(config.items())),
+            getattr(model, "jit_compile", None),
+            model.distribute_strategy.num_replicas_in_sync)
 
 
 def _replicas_sharing(strategy: tf.distribute.Strategy, device: str) -> int:

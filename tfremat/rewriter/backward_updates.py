@@ -151,11 +151,13 @@ def choose_updates(model: keras.Model, graph: PlanGraph, budget_bytes: int,
                  f"stay after it: {reason}.", RuntimeWarning)
         return False, reason
     if setting == "auto":
+        # XLA first: its step is measured, not predicted, so "predicted to fit"
+        # would not be why a plan chosen by measurement keeps its updates after.
+        if getattr(model, "jit_compile", False) is True:
+            return False, UNDER_XLA
         plain = simulate(graph).peak_bytes
         if plain <= budget_bytes:
             return False, "not needed: the step is predicted to fit the budget"
-        if getattr(model, "jit_compile", False) is True:
-            return False, UNDER_XLA
         if simulate(with_updates_in_backward(graph)).peak_bytes >= plain:
             return False, "they would not lower the simulated peak"
     return True, ""
