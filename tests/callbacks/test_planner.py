@@ -199,6 +199,9 @@ def test_a_later_fit_starts_with_the_plan_the_last_one_ended_with(budget_mb, mon
     model.optimizer.learning_rate.assign(0.001)
     model.fit(x, y, **{**fit, "batch_size": BATCH // 2})
     assert len(calls) == 3
+    planner.budget_mb = budget_mb * 1.01  # another budget is planned for
+    model.fit(x, y, **{**fit, "batch_size": BATCH // 2})
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("trial_mb", [None, 30.0])

@@ -61,9 +61,9 @@ class Planner(keras.callbacks.Callback):
 
     A later `fit` with the same callback traces the step again; when nothing a
     plan depends on changed (the layers, shapes, trainable weights, optimizer
-    settings other than the learning rate, `jit_compile`), it trains with the
-    plan the last fit ended with, re-planned or not, without measuring
-    candidates again.
+    settings other than the learning rate, `jit_compile`, this callback's
+    budget and planning settings), it trains with the plan the last fit ended
+    with, re-planned or not, without measuring candidates again.
 
     With `plot="memory.png"` it draws the predicted device memory over one step,
     without and with the plan, the budget and the measured epoch peaks
@@ -213,7 +213,7 @@ class Planner(keras.callbacks.Callback):
         self._lowest_measured: Plan | None = None  # the best effort of a measured BudgetError
         self._summary_writer: Any = None  # a TensorBoard callback's train run
         self._sharing = 1  # replicas whose steps the measured allocator holds
-        self._step_key: tuple | None = None  # `_step_key` of this fit's step
+        self._step_key: tuple | None = None  # what this fit's plan depends on
         self._carried = False  # the plan in use is the last fit's
 
     # -- wiring fit's events ---------------------------------------------------
@@ -393,7 +393,11 @@ class Planner(keras.callbacks.Callback):
             self.graph = extract(model, sample=sample)
             if traced:
                 traced(1)
-            self._step_key = _step_key(model, self.graph)
+            # The plan also depends on this callback's settings, which a user may
+            # change between fits.
+            self._step_key = (_step_key(model, self.graph), self.budget_mb, self.planner,
+                              self.objective, self.offload, self.update_in_backward,
+                              self.pin_order)
             if self._last is not None and self._last[0] == self._step_key:
                 plan, self._carried = self._last[1], True
             else:
