@@ -214,7 +214,6 @@ class Planner(keras.callbacks.Callback):
         self._summary_writer: Any = None  # a TensorBoard callback's train run
         self._sharing = 1  # replicas whose steps the measured allocator holds
         self._step_key: tuple | None = None  # what this fit's plan depends on
-        self._carried = False  # the plan in use is the last fit's
 
     # -- wiring fit's events ---------------------------------------------------
 
@@ -399,7 +398,7 @@ class Planner(keras.callbacks.Callback):
                               self.objective, self.offload, self.update_in_backward,
                               self.pin_order)
             if self._last is not None and self._last[0] == self._step_key:
-                plan, self._carried = self._last[1], True
+                plan = self._last[1]
             else:
                 plan = self._plan(self.budget_mb, sample=sample)
         self._install(plan)
@@ -477,7 +476,7 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
             details = plan.estimates.details if plan.estimates else {}
-            if self._carried:
+            if self._last is not None and plan is self._last[1]:
                 io_utils.print_msg(
                     "tfremat: the step is the one the last fit with this callback "
                     "trained; this fit starts with the plan that fit ended with.")
@@ -634,7 +633,6 @@ class Planner(keras.callbacks.Callback):
                  "what the step measured above the plan's estimate); the epoch's peak "
                  "keeps the steps before.", RuntimeWarning)
         self.replans += 1
-        self._carried = False
         self._install(_replanned(plan, self.budget_mb))
 
     def _predicted_floor_mb(self) -> float:
@@ -648,14 +646,13 @@ class Planner(keras.callbacks.Callback):
 
 def _step_key(model: keras.Model, graph: PlanGraph) -> tuple:
     """What a plan for `model`'s step depends on: the layer calls and their
-    shapes, the persistent bytes, which calls have trainable weights, the
+    shapes (the inputs' too, so the batch size), the persistent bytes, which calls have trainable weights, the
     optimizer's settings (the learning rate aside, which callbacks change
     between fits) and XLA."""
     optimizer = getattr(model, "optimizer", None)
     config = dict(optimizer.get_config()) if optimizer is not None else {}
     config.pop("learning_rate", None)
-    return (graph.fingerprint(), repr(graph.metadata.get("batch_shape")),
-            tuple(sorted(graph.persistent_bytes.items())),
+    return (graph.fingerprint(), tuple(sorted(graph.persistent_bytes.items())),
             tuple((n.param_bytes, tuple(t.bytes for t in n.outputs)) for n in graph),
             type(optimizer).__name__, repr(sorted(config.items())),
             getattr(model, "jit_compile", None),
