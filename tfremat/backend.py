@@ -71,6 +71,22 @@ def memory_stats_available(device: str) -> bool:
     return True
 
 
+def device_allocator(device: str) -> str | None:
+    """How `device`'s allocator counts the bytes of a request in its statistics
+    (`tfremat.simulation.ALLOCATORS`).
+
+    `"bfc"`: TensorFlow's BFC allocator, whose chunks may hold up to twice the
+    request (a GPU's default; a CPU's with `TF_CPU_ALLOCATOR_USE_BFC=1` or with
+    oneDNN, whose allocator keeps large requests in one). None: the request
+    itself, as a GPU under `TF_GPU_ALLOCATOR=cuda_malloc_async` counts them
+    (`GpuCudaMallocAsyncAllocator` adds the bytes asked for), or a CPU keeping no
+    statistics (`memory_stats_available`), where nothing is measured.
+    """
+    if device.startswith("GPU"):
+        return None if os.environ.get("TF_GPU_ALLOCATOR") == "cuda_malloc_async" else "bfc"
+    return "bfc" if memory_stats_available(device) else None
+
+
 def inter_op_threads() -> int:
     """How many inter-op threads TensorFlow's executor runs a step's ready
     operations on: the number set with

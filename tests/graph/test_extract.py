@@ -57,6 +57,17 @@ def test_persistent_bytes_count_weights_and_adam_slots():
     assert sum(n.param_bytes for n in g) == weights
 
 
+def test_the_graph_says_how_its_devices_allocator_counts_bytes(monkeypatch):
+    # This CPU keeps allocator statistics through TensorFlow's BFC allocator
+    # (importing tfremat sets TF_CPU_ALLOCATOR_USE_BFC=1).
+    assert tfremat.extract(residual_cnn(), batch_size=4).metadata["allocator"] == "bfc"
+    from tfremat.backend import device_allocator
+    assert device_allocator("GPU:0") == "bfc"
+    # CUDA's asynchronous allocator counts the bytes asked for, not chunks.
+    monkeypatch.setenv("TF_GPU_ALLOCATOR", "cuda_malloc_async")
+    assert device_allocator("GPU:0") is None
+
+
 def test_flops_of_a_convolution():
     g = tfremat.extract(residual_cnn(), batch_size=4)
     # 2 * N * H * W * Cout * (kh * kw * Cin), plus the bias add.

@@ -1,5 +1,7 @@
 """The simulator against peaks computed by hand on tiny graphs."""
 
+import dataclasses
+
 import pytest
 
 from tfremat import Node, Plan, PlanGraph, Segment, TensorInfo, simulate
@@ -11,6 +13,12 @@ MB = 2**20
 def t(mb: float) -> TensorInfo:
     """A float32 tensor of `mb` MiB."""
     return TensorInfo.of((int(mb * MB) // 4,), "float32")
+
+
+def asked_for(graph: PlanGraph) -> PlanGraph:
+    """`graph` on a device whose allocator counts the bytes each buffer asks for
+    (no BFC chunks), so that peaks are sums of buffers."""
+    return dataclasses.replace(graph, metadata={**graph.metadata, "allocator": None})
 
 
 def fig2_graph() -> PlanGraph:
@@ -67,8 +75,31 @@ def mlp_graph(p1: float = 0.5, p2: float = 0.25) -> PlanGraph:
     ], outputs=["d2:0"], persistent_bytes={"weights": 3 * MB, "batch": MB})
 
 
+def test_buffers_are_counted_in_the_allocators_chunks():
+    # A 3 MiB output takes a new region of 4 MiB whole (regions double from
+    # 2 MiB; a chunk under twice the request is not split). Once it is dead, a
+    # 2.5 MiB output takes that chunk whole too. The buffers ask for 3.5 MiB at
+    # most (a and b), the chunks hold 4.5.
+    g = PlanGraph([
+        Node("in", "in", "InputLayer", [], [t(1)]),
+        Node("a", "a", "Dense", ["in:0"], [t(3)]),
+        Node("b", "b", "Dense", ["a:0"], [t(0.5)]),
+        Node("c", "c", "Dense", ["b:0"], [t(2.5)]),
+    ], outputs=["c:0"])
+    est = simulate(g)
+    assert est.allocator == "bfc" and est.peak_bytes == int(4.5 * MB)
+    assert [b / MB for _, b in est.timeline[1:4]] == [4.0, 4.5, 4.5]
+    assert simulate(asked_for(g)).peak_bytes == int(3.5 * MB)
+
+
+def test_an_unknown_allocator_is_an_error():
+    g = dataclasses.replace(chain(2), metadata={"allocator": "tcmalloc"})
+    with pytest.raises(ValueError, match="Unknown allocator 'tcmalloc'"):
+        simulate(g)
+
+
 def test_training_step_peak_by_hand():
-    est = simulate(mlp_graph())
+    est = simulate(asked_for(mlp_graph()))
     # Backward of relu: relu output (kept for ReluGrad) 4, its gradient 4, the
     # gradient of d1's output 4, and d2's weight gradient 0.25, on top of 4 MiB
     # persistent. ReLU wrote into d1's output in place.

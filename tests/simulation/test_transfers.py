@@ -11,8 +11,13 @@ each call's backward reads its input, only l0 has weights. Every forward takes
 
 and the step takes 18 ms. l0's output is read in the forward pass by fwd l1
 (step 2) and in the backward pass first by bwd l1 (step 12). Bandwidths are
-given in MiB per ms to keep the arithmetic exact.
+given in MiB per ms to keep the arithmetic exact. The device's allocator counts
+the bytes each buffer asks for (`metadata["allocator"]` None), so that the bytes
+of a step are the sum of its live buffers; one test plays them through
+TensorFlow's BFC allocator.
 """
+
+import dataclasses
 
 import pytest
 
@@ -42,7 +47,7 @@ def chain(flops: bool = False) -> PlanGraph:
         nodes.append(Node(f"l{i}", f"l{i}", "Dense", [f"{prev}:0"], [t(2 if i == 0 else 1)],
                           backward_reads=[f"{prev}:0"], param_bytes=1024 if i == 0 else 0,
                           **times))
-    return PlanGraph(nodes, outputs=["l5:0"])
+    return PlanGraph(nodes, outputs=["l5:0"], metadata={"allocator": None})
 
 
 def offload(graph: PlanGraph, *refs_and_triggers: tuple[str, str | None],
@@ -90,6 +95,14 @@ def test_offload_lowers_the_peak_by_the_tensor_at_the_turn():
     assert est.peak_bytes == 6 * MIB
     assert plain.peak_bytes - est.peak_bytes == 2 * MIB
     assert est.stall_seconds == 0
+
+
+def test_offload_lowers_the_peak_in_the_allocators_chunks_too():
+    g = dataclasses.replace(chain(), metadata={})  # TensorFlow's BFC allocator
+    plain = simulate(g)
+    est = simulate(g, offload(g, ("l0:0", "l2")), bandwidth_gbps=gbps(2))
+    assert est.allocator == plain.allocator == "bfc"
+    assert est.peak_bytes < plain.peak_bytes
 
 
 def test_copy_hidden_behind_compute_costs_nothing():

@@ -190,7 +190,11 @@ class PlanGraph:
             output's own buffer when nothing else reads the output any more
             (a softmax cross-entropy on logits does).
         name: Model name.
-        metadata: Free-form facts (batch size, trace time, device, strategy).
+        metadata: Facts about the step (batch shape, trace time, kernel
+            workspaces). The simulator reads two: `"replicas"`, the strategy's
+            replicas, and `"allocator"`, how the device's allocator counts
+            bytes (`tfremat.simulation.ALLOCATORS`; TensorFlow's BFC allocator
+            when absent).
 
     Example:
 

@@ -3,9 +3,8 @@
 The step is unrolled into a schedule (`schedule.py`): forward of each layer call,
 the loss, backward of each call in reverse order, the optimizer update, with
 recompute segments run again in the backward pass. Every buffer lives from the
-step that makes it to the last step that reads it; the device peak is the
-largest sum of live buffers plus the step's transient workspace (Chen et al.
-2016 Sec. 3; the MXNet memory note).
+step that makes it to the last step that reads it (Chen et al. 2016 Sec. 3; the
+MXNet memory note), beside the step's transient workspace.
 
 Sharing modes (the MXNet note's "memory cost estimation"):
     "none": nothing is ever freed or shared.
@@ -14,7 +13,10 @@ Sharing modes (the MXNet note's "memory cost estimation"):
         so does the loss with the gradient of an output in
         `PlanGraph.outputs_in_place`.
     "sharing": buffers are freed after their last reader and their memory is
-        reused (TensorFlow's reference counting), plus in-place.
+        reused (TensorFlow's reference counting), plus in-place. The bytes are
+        those of the chunks TensorFlow's BFC allocator hands out for them
+        (`allocator.py`), which is what the device's peak statistic counts,
+        unless the graph says its device's allocator is another (`ALLOCATORS`).
 
 Offloaded tensors (the Plan's `offloaded`) are played on two copy streams
 beside compute (`transfers.py`). An offloaded tensor's device buffer lives from
@@ -36,12 +38,19 @@ from typing import Any
 
 from tfremat.core import (Node, Offload, Plan, PlanEstimate, PlanGraph, PlanValidationError,
                           validate_plan)
+from tfremat.simulation.allocator import BFCAllocator
 from tfremat.simulation.schedule import Key, Schedule, build_schedule
 from tfremat.simulation.transfers import (BANDWIDTH_GBPS, DEVICE_FLOPS, Timing, Transfer,
                                         run_timeline)
 
 #: How buffers are reused, from none to what TensorFlow does.
 SHARING_MODES = ("none", "inplace", "sharing")
+#: How a device's allocator counts the buffers' bytes under "sharing"
+#: (`PlanGraph.metadata["allocator"]`): "bfc", the chunks TensorFlow's BFC
+#: allocator hands out (`allocator.py`), or None, the bytes the buffers ask for
+#: (an allocator that gives each request its own size, such as CUDA's
+#: `cuda_malloc_async`).
+ALLOCATORS = ("bfc", None)
 
 
 @dataclasses.dataclass
@@ -52,14 +61,15 @@ class Estimate:
         peak_bytes: Predicted device peak, persistent bytes included.
         persistent_bytes: Weights, optimizer slots, other variables and the batch.
         activation_peak_bytes: `peak_bytes - persistent_bytes`.
-        timeline: `(step label, live bytes)` for every step of the schedule,
-            persistent bytes included.
+        timeline: `(step label, bytes in use)` for every step of the schedule,
+            persistent bytes included (the allocator's chunks under "sharing").
         peak_step: Label of the step where the peak occurs.
         base_compute: Forward plus backward cost of the step without a plan
             (seconds when the graph has measured times, FLOPs otherwise).
         extra_compute: Cost of the recomputed forward calls, same unit.
         extra_flops: FLOPs of the recomputed forward calls.
         sharing: The sharing mode simulated (`SHARING_MODES`).
+        allocator: The allocator simulated (`ALLOCATORS`).
         host_peak_bytes: Predicted host memory of offloaded tensors.
         step_seconds: Predicted time of the step: compute, recomputation and
             stalls waiting for copies back (see `transfers.py` for the model).
@@ -85,6 +95,7 @@ class Estimate:
     extra_compute: float
     extra_flops: float
     sharing: str
+    allocator: str | None
     host_peak_bytes: int = 0
     step_seconds: float = 0.0
     baseline_seconds: float = 0.0
@@ -134,6 +145,7 @@ class Estimate:
             "extra_flops": self.extra_flops,
             "overhead": self.overhead,
             "sharing": self.sharing,
+            "allocator": self.allocator,
             "host_peak_bytes": self.host_peak_bytes,
             "step_seconds": self.step_seconds,
             "baseline_seconds": self.baseline_seconds,
@@ -152,7 +164,9 @@ def simulate(graph: PlanGraph, plan: Plan | None = None, *, sharing: str = "shar
             offloaded tensors are simulated. The plan must have been made for
             `graph`.
         sharing: `"sharing"` (TensorFlow's behaviour, the default), `"inplace"`
-            or `"none"`; see the module docstring.
+            or `"none"`; see the module docstring. Under `"sharing"` the bytes
+            are counted as the graph's device's allocator counts them
+            (`graph.metadata["allocator"]`, `ALLOCATORS`; BFC when absent).
         bandwidth_gbps: Bandwidth of each copy stream (device to host, host to
             device) in GB/s (1e9 bytes per second).
         device_flops: FLOP/s of the device, for calls without measured times.
@@ -163,7 +177,7 @@ def simulate(graph: PlanGraph, plan: Plan | None = None, *, sharing: str = "shar
         An `Estimate`.
 
     Raises:
-        ValueError: unknown sharing mode.
+        ValueError: unknown sharing mode or allocator.
         PlanMismatchError: the plan was made for another graph.
         PlanValidationError: the plan breaks a rule of `validate_plan`, or a
             prefetch trigger has no backward step or runs after the tensor's
@@ -176,13 +190,17 @@ def simulate(graph: PlanGraph, plan: Plan | None = None, *, sharing: str = "shar
     """
     if sharing not in SHARING_MODES:
         raise ValueError(f"Unknown sharing mode {sharing!r}; choose one of {SHARING_MODES}.")
+    allocator = graph.metadata.get("allocator", "bfc")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"Unknown allocator {allocator!r} in the graph's metadata; "
+                         f"tfremat knows {ALLOCATORS}.")
     if plan is not None and validate:
         plan = plan.for_graph(graph)
         validate_plan(plan, graph)
     schedule = build_schedule(graph, plan, device_flops=device_flops)
     keys, transfers = _transfers(schedule, plan.offloaded if plan is not None else [])
     timing = run_timeline(schedule.seconds, transfers, bandwidth_gbps * 1e9)
-    return _estimate(schedule, sharing, keys, transfers, timing)
+    return _estimate(schedule, sharing, allocator, keys, transfers, timing)
 
 
 def _transfers(schedule: Schedule, offloaded: list[Offload]
@@ -218,7 +236,7 @@ def _transfers(schedule: Schedule, offloaded: list[Offload]
     return keys, transfers
 
 
-def _estimate(schedule: Schedule, sharing: str, keys: list[Key],
+def _estimate(schedule: Schedule, sharing: str, allocator: str | None, keys: list[Key],
               transfers: list[Transfer], timing: Timing) -> Estimate:
     """Device memory per step, with the offloaded buffers' shortened lives."""
     ends: dict[Key, int] = {}
@@ -227,61 +245,124 @@ def _estimate(schedule: Schedule, sharing: str, keys: list[Key],
         ends[key] = max(schedule.forward_last_use[key], d2h_last)
         if tr.trigger is not None:
             extra.append((tr.trigger, schedule.last_use[key], tr.nbytes))
-    n = len(schedule.labels)
-    delta = [0] * (n + 1)
-    keep_all = sharing != "sharing"
-    size = schedule.size
-    buffers = [(start, ends.get(key, schedule.last_use[key]), size[key])
-               for key, start in schedule.alloc_step.items()]
-    for start, last, nbytes in buffers + extra:
-        if not nbytes:
-            continue
-        delta[start] += nbytes
-        if not keep_all:
-            delta[min(last, n - 1) + 1] -= nbytes
-    if sharing != "none":
-        for step, out_key, in_key in schedule.inplace:
-            if (in_key in ends or schedule.last_use.get(in_key) != step
-                    or not size.get(in_key)):
-                continue
-            shared = min(size[in_key], size[out_key])
-            delta[step] -= shared
-            if not keep_all:
-                delta[step + 1] += shared
+    buffers: dict[Any, tuple[int, int, int]] = {
+        key: (start, ends.get(key, schedule.last_use[key]), schedule.size[key])
+        for key, start in schedule.alloc_step.items() if schedule.size[key]}
+    buffers.update({("copy back", i): item for i, item in enumerate(extra) if item[2]})
+    # In place: an output written into an input it is the last reader of.
+    shares = [] if sharing == "none" else [
+        (step, out_key, in_key) for step, out_key, in_key in schedule.inplace
+        if in_key not in ends and schedule.last_use.get(in_key) == step
+        and in_key in buffers and out_key in buffers]
+    if sharing == "sharing" and allocator == "bfc":
+        step_bytes = _allocator_bytes(schedule, buffers, shares)
+    else:
+        step_bytes = _summed_bytes(schedule, buffers, shares, freed=sharing == "sharing")
     graph = schedule.graph
     persistent = graph.total_persistent_bytes
-    live = 0
-    peak, peak_at = 0, 0
-    timeline = []
-    spent_transient = 0
-    for i in range(n):
-        live += delta[i]
-        if keep_all:
-            # With no freeing, workspaces are allocations that stay too.
-            here = live + spent_transient + schedule.transient[i]
-            spent_transient += schedule.transient[i]
-        else:
-            here = live + schedule.transient[i]
-        timeline.append((schedule.labels[i], persistent + here))
-        if here > peak:
-            peak, peak_at = here, i
+    peak_at = max(range(len(step_bytes)), key=step_bytes.__getitem__)
     base = sum(nd.forward_cost + _backward_cost(nd) for nd in graph)
     return Estimate(
-        peak_bytes=persistent + peak,
+        peak_bytes=step_bytes[peak_at],
         persistent_bytes=persistent,
-        activation_peak_bytes=peak,
-        timeline=timeline,
-        peak_step=schedule.labels[peak_at] if n else "",
+        activation_peak_bytes=step_bytes[peak_at] - persistent,
+        timeline=list(zip(schedule.labels, step_bytes)),
+        peak_step=schedule.labels[peak_at],
         base_compute=base,
         extra_compute=schedule.extra_compute,
         extra_flops=schedule.extra_flops,
         sharing=sharing,
+        allocator=allocator,
         host_peak_bytes=timing.host_peak_bytes,
         step_seconds=timing.makespan,
         baseline_seconds=schedule.baseline_seconds,
         stall_seconds=timing.stall_seconds,
         step_times=list(zip(timing.start, timing.end)),
     )
+
+
+def _summed_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]],
+                  shares: list[tuple[int, Any, Any]], freed: bool) -> list[int]:
+    """Bytes at each step as the sum of what the buffers ask for: the persistent
+    bytes, the buffers made so far (only the live ones when `freed`) and the
+    workspace (every one so far when nothing is freed); an output written in
+    place costs nothing beyond its input."""
+    n = len(schedule.labels)
+    delta = [0] * (n + 1)
+    for start, last, nbytes in buffers.values():
+        delta[start] += nbytes
+        if freed:
+            delta[min(last, n - 1) + 1] -= nbytes
+    for step, out_key, in_key in shares:
+        shared = min(buffers[in_key][2], buffers[out_key][2])
+        delta[step] -= shared
+        if freed:
+            delta[step + 1] += shared
+    live = schedule.graph.total_persistent_bytes
+    spent_transient = 0
+    out = []
+    for i in range(n):
+        live += delta[i]
+        if freed:
+            out.append(live + schedule.transient[i])
+        else:
+            spent_transient += schedule.transient[i]
+            out.append(live + spent_transient)
+    return out
+
+
+def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]],
+                     shares: list[tuple[int, Any, Any]]) -> list[int]:
+    """Bytes at each step as TensorFlow's BFC allocator counts them.
+
+    Buffers are freed after their last reader and their memory reused by the
+    allocator's rules (`allocator.py`): each step allocates what it makes and
+    frees what it read last; an output written in place takes over its input's
+    chunk. The step's workspace counts on top as it is: extraction measures it
+    as allocator bytes, chunks included. The persistent bytes come first, each
+    layer's weights in a chunk of their own, after a region of twice the
+    persistent bytes was taken and given back (a model's initializers peak near
+    twice its weights: building VGG19 peaked at 402 MiB for 213 MiB of weights,
+    which then sat in chunks of 218 MiB). One step is played: playing a second
+    one after it, as after a warm-up step, predicted the same peaks for the
+    plans of `benchmarks/rescore.py`.
+    """
+    graph = schedule.graph
+    bfc = BFCAllocator()
+    bfc.free(bfc.allocate(2 * graph.total_persistent_bytes))
+    weights: dict[str, int] = {}
+    for node in graph:
+        weights[node.layer] = max(weights.get(node.layer, 0), node.param_bytes)
+    for nbytes in weights.values():
+        if nbytes:
+            bfc.allocate(nbytes)
+    rest = graph.total_persistent_bytes - sum(weights.values())
+    if rest > 0:
+        bfc.allocate(rest)
+    n = len(schedule.labels)
+    made: list[list[Any]] = [[] for _ in range(n)]
+    done: list[list[Any]] = [[] for _ in range(n)]
+    for key, (start, last, _) in buffers.items():
+        made[start].append(key)
+        done[min(last, n - 1)].append(key)
+    takes_over = {out_key: in_key for _, out_key, in_key in shares
+                  if buffers[out_key][2] <= buffers[in_key][2]}
+    chunk: dict[Any, int] = {}
+    handed_on: set[Any] = set()
+    out = []
+    for i in range(n):
+        for key in made[i]:
+            source = takes_over.get(key)
+            if source in chunk and source not in handed_on:
+                chunk[key] = chunk[source]
+                handed_on.add(source)
+            else:
+                chunk[key] = bfc.allocate(buffers[key][2])
+        out.append(bfc.in_use_bytes + schedule.transient[i])
+        for key in done[i]:
+            if key not in handed_on:
+                bfc.free(chunk.pop(key))
+    return out
 
 
 def _backward_cost(node: Node) -> float:
