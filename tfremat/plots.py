@@ -58,9 +58,9 @@ def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
 
     The x axis is the simulator's schedule: the forward pass, the loss, the
     backward pass (with each segment's recomputation, shaded) and the
-    optimizer update. The y axis is live device memory in MiB, persistent
-    bytes (weights, optimizer slots, batch) included, as `tfremat.simulate`
-    predicts it.
+    optimizer update. The y axis is the device memory in use in MiB (the
+    allocator's chunks), persistent bytes (weights, optimizer slots, batch)
+    included, as `tfremat.simulate` predicts it.
 
     Args:
         graph: The PlanGraph.
@@ -113,7 +113,7 @@ def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
         title += f", plan by {plan.planner}"
     ax.set_title(title)
     ax.set_xlabel("step of the schedule (forward, loss, backward, optimizer update)")
-    ax.set_ylabel("live device memory (MiB)")
+    ax.set_ylabel("device memory in use (MiB)")
     ax.set_ylim(bottom=0)
     ax.margins(x=0.01)
     ax.grid(alpha=0.3)
