@@ -76,11 +76,17 @@ def device_allocator(device: str) -> str | None:
     (`tfremat.simulation.ALLOCATORS`).
 
     `"bfc"`: TensorFlow's BFC allocator, whose chunks may hold up to twice the
-    request (a GPU's default; a CPU's with `TF_CPU_ALLOCATOR_USE_BFC=1` or with
-    oneDNN, whose allocator keeps large requests in one). None: the request
-    itself, as a GPU under `TF_GPU_ALLOCATOR=cuda_malloc_async` counts them
-    (`GpuCudaMallocAsyncAllocator` adds the bytes asked for), or a CPU keeping no
-    statistics (`memory_stats_available`), where nothing is measured.
+    request: a GPU's default, and a CPU's once `TF_CPU_ALLOCATOR_USE_BFC=1`
+    (importing tfremat sets it; a CPU keeping statistics without it, through
+    oneDNN's allocator, is taken to count alike, not measured). None: the
+    request itself, as a GPU under `TF_GPU_ALLOCATOR=cuda_malloc_async` counts
+    (`GpuCudaMallocAsyncAllocator` adds the bytes asked for), or a CPU keeping
+    no statistics (`memory_stats_available`), where nothing is measured.
+
+    Example:
+
+    >>> device_allocator("CPU:0")
+    'bfc'
     """
     if device.startswith("GPU"):
         return None if os.environ.get("TF_GPU_ALLOCATOR") == "cuda_malloc_async" else "bfc"
