@@ -51,14 +51,18 @@ def test_sharing_frees_after_last_reader():
     assert est.peak_step == "fwd F"
 
 
+def outputs_chain(**sizes_mb: float) -> PlanGraph:
+    """An input of 1 MiB, then Dense calls named and sized (MiB) as given, each
+    reading the one before; no weights, so no backward pass."""
+    nodes = [Node("in", "in", "InputLayer", [], [t(1)])]
+    for name, mb in sizes_mb.items():
+        nodes.append(Node(name, name, "Dense", [f"{nodes[-1].id}:0"], [t(mb)]))
+    return PlanGraph(nodes, outputs=[f"{nodes[-1].id}:0"])
+
+
 def test_sharing_reuses_memory_of_a_different_size():
     # A 4 MiB buffer dies before a 2 MiB one is made: the peak is not their sum.
-    g = PlanGraph([
-        Node("in", "in", "InputLayer", [], [t(1)]),
-        Node("big", "big", "Dense", ["in:0"], [t(4)]),
-        Node("small", "small", "Dense", ["big:0"], [t(2)]),
-        Node("tiny", "tiny", "Dense", ["small:0"], [t(1)]),
-    ], outputs=["tiny:0"])
+    g = outputs_chain(big=4, small=2, tiny=1)
     assert simulate(g, sharing="sharing").peak_bytes == 6 * MB  # big + small
     assert simulate(g, sharing="none").peak_bytes == 7 * MB
 
@@ -80,12 +84,7 @@ def test_buffers_are_counted_in_the_allocators_chunks():
     # 2 MiB; a chunk under twice the request is not split). Once it is dead, a
     # 2.5 MiB output takes that chunk whole too. The buffers ask for 3.5 MiB at
     # most (a and b), the chunks hold 4.5.
-    g = PlanGraph([
-        Node("in", "in", "InputLayer", [], [t(1)]),
-        Node("a", "a", "Dense", ["in:0"], [t(3)]),
-        Node("b", "b", "Dense", ["a:0"], [t(0.5)]),
-        Node("c", "c", "Dense", ["b:0"], [t(2.5)]),
-    ], outputs=["c:0"])
+    g = outputs_chain(a=3, b=0.5, c=2.5)
     est = simulate(g)
     assert est.allocator == "bfc" and est.peak_bytes == int(4.5 * MB)
     assert [b / MB for _, b in est.timeline[1:4]] == [4.0, 4.5, 4.5]

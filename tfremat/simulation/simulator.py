@@ -330,15 +330,13 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     graph = schedule.graph
     bfc = BFCAllocator()
     bfc.free(bfc.allocate(2 * graph.total_persistent_bytes))
-    weights: dict[str, int] = {}
-    for node in graph:
-        weights[node.layer] = max(weights.get(node.layer, 0), node.param_bytes)
-    if sum(weights.values()) > graph.total_persistent_bytes:  # a graph made by hand
-        weights = {}
-    for nbytes in weights.values():
-        if nbytes:
-            bfc.allocate(nbytes)
-    rest = graph.total_persistent_bytes - sum(weights.values())
+    # A shared layer's weights are on its first call only.
+    weights = [node.param_bytes for node in graph if node.param_bytes]
+    if sum(weights) > graph.total_persistent_bytes:  # a graph made by hand
+        weights = []
+    for nbytes in weights:
+        bfc.allocate(nbytes)
+    rest = graph.total_persistent_bytes - sum(weights)
     if rest > 0:
         bfc.allocate(rest)
     n = len(schedule.labels)
