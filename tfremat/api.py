@@ -165,9 +165,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         update_in_backward: Run each optimizer update inside the backward
             pass, freeing weight gradients as soon as they are used
             (docs/updates-in-backward.md): `"auto"` (the default: when the
-            step does not fit as it is, the optimizer allows it, the model is
-            not compiled by XLA, under which it frees nothing, and it lowers
-            the simulated peak), True, or False (updates after the backward
+            step does not fit as it is, the optimizer allows it and the model
+            is not compiled by XLA, under which it frees nothing), True, or
+            False (updates after the backward
             pass, as Keras does). Where it cannot be exact
             (`global_clipnorm`, `LossScaleOptimizer`, gradient accumulation, a
             custom `train_step`, a `tf.distribute` strategy) the plan says why

@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-update-in-backward", dest="update_in_backward",
                     action="store_const", const=False, default="auto",
                     help="keep optimizer updates after the backward pass (by default they "
-                         "run inside it when the budget binds and that lowers the peak)")
+                         "run inside it when the budget binds)")
     pl.add_argument("--update-in-backward", dest="update_in_backward",
                     action="store_const", const="auto",
                     help=argparse.SUPPRESS)  # now the default; kept for old scripts

@@ -155,6 +155,9 @@ def test_budget_error_carries_exact_bytes_and_pickles():
     err = BudgetError(10 * 2**20, 12_345_678, "auto", "Tried: a; b.")
     assert err.min_budget_bytes == 12_345_678 and err.min_budget_mb == 12_345_678 / 2**20
     assert "12345678 bytes" in str(err) and "Tried: a; b." in str(err)
+    # 11.77 MiB, rounded up: the budget the message gives is itself feasible.
+    assert "smallest feasible budget is 11.8 MiB" in str(err)
+    assert "budget is 102.1 MiB" in str(BudgetError(None, 106_959_872, "auto"))
     again = pickle.loads(pickle.dumps(err))
     assert str(again) == str(err) and again.min_budget_bytes == err.min_budget_bytes
     measured = pickle.loads(pickle.dumps(BudgetError(2**20, 2**21, "auto", measured=True)))

@@ -503,6 +503,29 @@ def test_auto_plans_updates_in_backward_under_a_binding_budget():
     assert not asked.update_in_backward and "global_clipnorm" in asked.update_note
 
 
+def test_auto_runs_the_updates_in_the_backward_pass_where_the_plain_peak_does_not_fall():
+    """A language model's plain step peaks at the logits' gradient, before any
+    weight gradient exists, so updates in the backward pass do not lower it;
+    its plans peak later, where they do, and the updates pin the order. Under
+    a binding budget "auto" turns them on all the same."""
+    import tfremat
+    from tfremat import simulate
+    from tfremat.core import with_updates_in_backward
+    from tfremat.rewriter import choose_updates
+
+    inp = keras.Input((64,), dtype="int32")
+    x = keras.layers.Embedding(1000, 32)(inp)
+    x = keras.layers.Dense(32, activation="relu")(x)
+    model = keras.Model(inp, keras.layers.Dense(1000)(x))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    graph = tfremat.extract(model, batch_size=32)
+    plain = simulate(graph).peak_bytes
+    assert simulate(with_updates_in_backward(graph)).peak_bytes >= plain
+    assert choose_updates(model, graph, int(plain * 0.9), "auto") == (True, "")
+    assert choose_updates(model, graph, plain, "auto")[0] is False  # fits as it is
+
+
 def test_auto_leaves_the_updates_after_the_backward_pass_under_xla():
     """Under XLA the variables are written at the end of the compiled program,
     so the weight gradients stay until then either way (measured:

@@ -114,8 +114,8 @@ class Planner(keras.callbacks.Callback):
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward pass
             (see `tfremat.plan`): `"auto"` (the default: under a binding
-            budget, when the optimizer allows it, the step is not compiled by
-            XLA and it lowers the predicted peak), True or False. The plan
+            budget, when the optimizer allows it and the step is not compiled
+            by XLA), True or False. The plan
             summary says whether it does, and why not.
         pin_order: Pin the backward pass to the simulator's order (see
             `tfremat.plan`): True, False or `"auto"` (the default: pinned when

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 #: Bytes in a MiB: budgets are given in MiB (2**20 bytes).
@@ -150,8 +151,9 @@ class BudgetError(TfrematError, ValueError):
                "measure=True) measures plans on the device")
         message = (
             f"A budget of {self.budget_mb:.1f} MiB cannot be met by planner {planner!r}: "
-            f"the smallest feasible budget is {self.min_budget_mb:.1f} MiB "
-            f"({self.min_budget_bytes} bytes), {how}."
+            # Rounded up, so that the figure given is itself feasible.
+            f"the smallest feasible budget is {math.ceil(self.min_budget_mb * 10) / 10:.1f} "
+            f"MiB ({self.min_budget_bytes} bytes), {how}."
         )
         if detail:
             message += " " + detail
