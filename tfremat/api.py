@@ -167,11 +167,11 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             (docs/updates-in-backward.md): `"auto"` (the default: when the
             step does not fit as it is, the optimizer allows it and the model
             is not compiled by XLA, under which it frees nothing), True, or
-            False (updates after the backward
-            pass, as Keras does). Where it cannot be exact
-            (`global_clipnorm`, `LossScaleOptimizer`, gradient accumulation, a
-            custom `train_step`, a `tf.distribute` strategy) the plan says why
-            in `update_note` and updates after the backward pass.
+            False (updates after the backward pass, as Keras does). Where it
+            cannot be exact (`global_clipnorm`, `LossScaleOptimizer`, gradient
+            accumulation, a custom `train_step`, a `tf.distribute` strategy)
+            the plan says why in `update_note` and updates after the backward
+            pass.
         pin_order: Pin the backward pass to the simulator's order
             (`Plan.pin_order`): each layer's weight gradients before the next
             layer's backward. True, False, or `"auto"` (the default): pinned

@@ -115,8 +115,8 @@ class Planner(keras.callbacks.Callback):
         update_in_backward: Run each optimizer update inside the backward pass
             (see `tfremat.plan`): `"auto"` (the default: under a binding
             budget, when the optimizer allows it and the step is not compiled
-            by XLA), True or False. The plan
-            summary says whether it does, and why not.
+            by XLA), True or False. The plan summary says whether it does, and
+            why not.
         pin_order: Pin the backward pass to the simulator's order (see
             `tfremat.plan`): True, False or `"auto"` (the default: pinned when
             TensorFlow runs the step on one inter-op thread, where an unpinned
