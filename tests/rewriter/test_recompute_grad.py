@@ -8,7 +8,7 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.grappler import tf_optimizer
 
 from tfremat.rewriter import exact_recompute
-from tfremat.rewriter.recompute_grad import recompute_grad
+from tfremat.rewriter.recompute_grad import keep_grad, recompute_grad
 
 TABLE = tf.Variable(np.arange(12, dtype="float32").reshape(6, 2))
 
@@ -135,3 +135,40 @@ def test_under_xla_the_recompute_waits_through_an_addition():
                    and upstream in _ancestors(op.outputs[0])]
         assert len(waiting) == 1, (jit, [op.name for op in ops])
         assert any(op.name.startswith("after_gradients") for op in ops) == (not jit)
+
+
+def test_a_kept_unit_with_a_loop_holds_no_copy_of_its_weights_per_iteration():
+    """`keep_grad` (the units of updates in the backward pass and of a pinned
+    order) under a training tape: with a tape of its own, TensorFlow wrapped the
+    loop for higher-order gradients and held a copy of the weight the loop reads
+    at every iteration (an LSTM's step 6.5 -> 35 MiB; here 64 x 4 MiB)."""
+    weight = tf.Variable(tf.random.stateless_normal((1024, 1024), [1, 2]) * 0.03)
+
+    def loop(x):
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(h, weight))
+        return tf.while_loop(lambda i, h: i < 64, body, (0, x))[1]
+
+    def step_of(fn):
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(fn(x) ** 2)
+            return tape.gradient(loss, [x, weight])
+        return step
+
+    def peak_mib(step, x):
+        step(x)  # traced and run once
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        grads = step(x)
+        return (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2**20, grads
+
+    x = tf.random.stateless_normal((16, 1024), [3, 4])
+    plain_mib, plain = peak_mib(step_of(loop), x)
+    kept_mib, kept = peak_mib(step_of(keep_grad(loop, lambda gi, v, gv: (gi, gv))), x)
+    for a, b in zip(kept, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        assert float(tf.norm(b)) > 0
+    assert kept_mib < plain_mib + 64, (kept_mib, plain_mib)  # 256 MiB more with the copies
