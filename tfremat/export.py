@@ -235,8 +235,10 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
     replanned = plan.estimates.details.get("replanned_for_bytes") if plan.estimates else None
     if replanned:
-        lines.append(f"Re-planned for:  {_mib(replanned)} (under the budget, to absorb what "
-                     "a training step measured above the plan's estimate)")
+        why = ("under the budget, to absorb what a training step measured above the "
+               "plan's estimate" if replanned < (plan.budget_bytes or replanned + 1) else
+               "the lowest peak the planner predicts, above the budget")
+        lines.append(f"Re-planned for:  {_mib(replanned)} ({why})")
     lines += [
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
         f"Measured peak:   {_measured_line(plan)}",

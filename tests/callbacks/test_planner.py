@@ -266,6 +266,46 @@ def test_a_replan_below_the_floor_says_it_plans_at_the_floor(monkeypatch):
     assert f"re-planning for {floor:.1f} MiB, the lowest peak the planner predicts" in why_floor
 
 
+@pytest.mark.parametrize("made_mb, switches", [(90.0, False), (80.0, True)])
+def test_a_replan_at_the_floor_keeps_a_plan_in_use_that_measured_lower(
+        monkeypatch, made_mb, switches):
+    """On a model the simulator over-predicts, the plan in use (a measured last
+    resort, 82 MiB) can be lower than the plan made for the predicted floor
+    (119.4 MiB, above the 87.8 MiB budget): re-planning once installed such a
+    plan, which recomputed less and peaked higher, and its summary said it was
+    made for 119.4 MiB "under the budget"."""
+    graph = tfremat.extract(make_model(), batch_size=BATCH)
+    ids = [n.id for n in graph if not n.is_input]
+
+    def measured(segments, mb):
+        made = tfremat.Plan.from_segments(graph, segments)
+        made.estimates = tfremat.simulate(graph, made).plan_estimate()
+        made.estimates.details["measured_peak_bytes"] = int(mb * MIB)
+        return made
+
+    planner = tfremat.Planner(87.8, verbose=0)
+    planner.plan, planner.predicted_peak_mb = measured([[i] for i in ids[1:5]], 82.0), 125.0
+    installed = []
+
+    def plan(budget_mb, sample=None, why=""):
+        if budget_mb > 119:  # the target (78.6 MiB) and one byte are out of reach
+            made = measured([ids[1:4]], made_mb)
+            made.budget_bytes = int(budget_mb * MIB)
+            return made
+        raise tfremat.BudgetError(int(budget_mb * MIB), int(119.4 * MIB), "auto")
+
+    monkeypatch.setattr(planner, "_plan", plan)
+    monkeypatch.setattr(planner, "_install", installed.append)
+    message = "lowest reachable prediction" if switches else "no lower than the plan in use"
+    with pytest.warns(RuntimeWarning, match=message):
+        planner._over_budget(91.2)
+    assert len(installed) == int(switches) and planner.replans == int(switches)
+    if switches:
+        text = tfremat.summary(graph, installed[0])
+        assert "Re-planned for:  119.4 MiB (the lowest peak the planner predicts, above " \
+               "the budget)" in text
+
+
 @needs_graphviz
 def test_plan_picture_is_exported(budget_mb, tmp_path):
     x, y = data(2)

@@ -620,6 +620,17 @@ class Planner(keras.callbacks.Callback):
                 "lowest the planner reaches: training goes on with it. Lower the batch "
                 "size or raise the budget.", RuntimeWarning)
             return
+        if floor_mb is not None and not _lower(plan, self.plan, peak_mb / self._sharing):
+            # The floor is a prediction: on a model the simulator over-predicts,
+            # the plan in use (a measured last resort) can be lower than any plan
+            # made for it, and one that recomputes less would be a step back.
+            self._measuring = False
+            warn(
+                f"tfremat: {over}. The lowest peak the planner predicts is "
+                f"{floor_mb:.1f} MiB, and the plan made for it is no lower than the plan "
+                "in use: training goes on with the plan in use. Lower the batch size "
+                "or raise the budget.", RuntimeWarning)
+            return
         if floor_mb is not None:
             warn(
                 f"tfremat: {over}. Absorbing the measured excess needs a plan "
@@ -679,6 +690,27 @@ def _replanned(plan: Plan, budget_mb: float) -> Plan:
             **plan.estimates.details, "replanned_for_bytes": plan.budget_bytes})
     plan.budget_bytes = budget
     return plan
+
+
+def _lower(new: Plan, old: Plan | None, step_mb: float) -> bool:
+    """Whether `new` may be lower than the plan in use, `old`, whose training
+    steps measured up to `step_mb`: by their measurements before training when
+    both have one, else by `new`'s measurement against the steps, else by
+    their predictions (when `old` has one)."""
+    if old is None:
+        return True
+
+    def trial(plan: Plan) -> float | None:
+        details = plan.estimates.details if plan.estimates else {}
+        found = details.get("measured_peak_bytes")
+        return None if found is None else found / MIB
+
+    new_trial, old_trial = trial(new), trial(old)
+    if new_trial is not None:
+        return new_trial < (old_trial if old_trial is not None else step_mb)
+    if new.estimates is None or old.estimates is None:
+        return True
+    return new.peak_bytes <= old.peak_bytes
 
 
 def _same_rewrite(a: Plan, b: Plan | None) -> bool:
