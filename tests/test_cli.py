@@ -78,6 +78,9 @@ def test_a_budget_too_small_is_an_error_naming_the_batch_size(tmp_path, capsys):
     assert cli.main(["plan", path, "--budget-mb", "0.01", "--batch-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "smallest feasible budget" in err and "at batch size 4: --batch-size" in err
+    # The command's own option, not the Python API's.
+    assert "not measured: --measure measures plans on the device" in err
+    assert "tfremat.plan(" not in err
 
 
 def test_help_gives_the_default_batch_size(capsys):

@@ -244,7 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TfrematError, ValueError) as e:
         batch = (f" (at batch size {args.batch_size}: --batch-size)"
                  if isinstance(e, BudgetError) and args.command != "demo" else "")
-        print(f"tfremat: error: {e}{batch}", file=sys.stderr)
+        text = str(e)
+        if hasattr(args, "measure"):  # the API's way to measure is this command's option
+            text = text.replace("tfremat.plan(..., measure=True) measures",
+                                "--measure measures")
+        print(f"tfremat: error: {text}{batch}", file=sys.stderr)
         return 2
 
 
