@@ -246,8 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  if isinstance(e, BudgetError) and args.command != "demo" else "")
         text = str(e)
         if hasattr(args, "measure"):  # the API's way to measure is this command's option
-            text = text.replace("tfremat.plan(..., measure=True) measures",
-                                "--measure measures")
+            text = text.replace(BudgetError.MEASURE_HINT, "--measure measures plans on the device")
         print(f"tfremat: error: {text}{batch}", file=sys.stderr)
         return 2
 

@@ -235,8 +235,9 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
     replanned = plan.estimates.details.get("replanned_for_bytes") if plan.estimates else None
     if replanned:
+        below = not plan.budget_bytes or replanned < plan.budget_bytes
         why = ("under the budget, to absorb what a training step measured above the "
-               "plan's estimate" if replanned < (plan.budget_bytes or replanned + 1) else
+               "plan's estimate" if below else
                "the lowest peak the planner predicts, above the budget")
         lines.append(f"Re-planned for:  {_mib(replanned)} ({why})")
     lines += [

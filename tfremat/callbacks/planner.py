@@ -593,9 +593,7 @@ class Planner(keras.callbacks.Callback):
         # too, so what they are held to is the steps' spread above a trial; above
         # the prediction, an under-prediction would count twice), else the
         # prediction.
-        details = self.plan.estimates.details if self.plan and self.plan.estimates else {}
-        trial_mb = details.get("measured_peak_bytes", 0) / MIB
-        excess = peak_mb / self._sharing - (trial_mb or self.predicted_peak_mb)
+        excess = peak_mb / self._sharing - (_trial_mb(self.plan) or self.predicted_peak_mb)
         # An excess above the budget itself leaves no budget to plan for: ask for
         # 1% of it, which ends in the best-effort plan below.
         target = max(self.budget_mb - max(excess, 0.05 * self.budget_mb),
@@ -692,6 +690,14 @@ def _replanned(plan: Plan, budget_mb: float) -> Plan:
     return plan
 
 
+def _trial_mb(plan: Plan | None) -> float | None:
+    """What `plan` measured before training (its largest trial step), in MiB,
+    or None when it was not measured."""
+    details = plan.estimates.details if plan is not None and plan.estimates else {}
+    found = details.get("measured_peak_bytes")
+    return None if found is None else found / MIB
+
+
 def _lower(new: Plan, old: Plan | None, step_mb: float) -> bool:
     """Whether `new` may be lower than the plan in use, `old`, whose training
     steps measured up to `step_mb`: by their measurements before training when
@@ -699,13 +705,7 @@ def _lower(new: Plan, old: Plan | None, step_mb: float) -> bool:
     their predictions (when `old` has one)."""
     if old is None:
         return True
-
-    def trial(plan: Plan) -> float | None:
-        details = plan.estimates.details if plan.estimates else {}
-        found = details.get("measured_peak_bytes")
-        return None if found is None else found / MIB
-
-    new_trial, old_trial = trial(new), trial(old)
+    new_trial, old_trial = _trial_mb(new), _trial_mb(old)
     if new_trial is not None:
         return new_trial < (old_trial if old_trial is not None else step_mb)
     if new.estimates is None or old.estimates is None:

@@ -138,6 +138,10 @@ class BudgetError(TfrematError, ValueError):
     ```
     """
 
+    #: How the message of a predicted minimum says it can be measured; the
+    #: command line names its own `--measure` instead.
+    MEASURE_HINT = "tfremat.plan(..., measure=True) measures plans on the device"
+
     def __init__(self, budget_bytes: int | None, min_budget_bytes: int, planner: str,
                  detail: str = "", measured: bool = False) -> None:
         self.budget_bytes = budget_bytes
@@ -147,8 +151,7 @@ class BudgetError(TfrematError, ValueError):
         self.measured = measured
         self.measured_plan: Any = None
         how = ("measured on the device" if measured else
-               "as the simulator predicts it, not measured: tfremat.plan(..., "
-               "measure=True) measures plans on the device")
+               f"as the simulator predicts it, not measured: {self.MEASURE_HINT}")
         message = (
             f"A budget of {self.budget_mb:.1f} MiB cannot be met by planner {planner!r}: "
             # Rounded up, so that the figure given is itself feasible.
