@@ -91,6 +91,26 @@ def resnet_like(blocks: int, mib: float = 1.0, bn_saved_mib: float = 0.0) -> Pla
     return b.graph([x], persistent_mib=4.0)
 
 
+def frozen_backbone(frozen: int, trainable: int, mib: float = 1.0) -> PlanGraph:
+    """`resnet_like` blocks whose first `frozen` have no trainable weights (a
+    backbone frozen for fine-tuning: no gradient reaches them), then
+    `trainable` blocks and a Dense head. Each convolution keeps half its
+    output's bytes inside for its backward pass."""
+    b = Builder("frozen")
+    x = b.input(mib)
+    for k in range(frozen + trainable):
+        params = 4096 if k >= frozen else 0
+        h = x
+        for _ in range(2):
+            h = b.layer("Conv2D", [h], mib=mib, cost=100.0 * mib, params=params,
+                        saved_mib=mib / 2)
+            h = b.layer("ReLU", [h], mib=mib, cost=0.5 * mib, reads="output")
+        x = b.layer("ReLU", [b.layer("Add", [h, x], mib=mib, cost=0.2 * mib, reads="none")],
+                    mib=mib, cost=0.5 * mib, reads="output")
+    x = b.layer("Dense", [x], mib=0.01, cost=1.0, params=1024)
+    return b.graph([x], persistent_mib=4.0)
+
+
 def subclassed_blocks(blocks: int = 6) -> PlanGraph:
     """A subclassed model of blocks (one node per block call, `metadata
     ["subclassed"]`), each keeping 3 MiB of its own for its backward pass."""

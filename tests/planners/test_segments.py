@@ -1,7 +1,11 @@
 """Cut points and segment validity helpers shared by the planners."""
 
+import pytest
+
+from tfremat.core import BudgetError, is_convex
+from tfremat.planners import make_plan
 from tfremat.planners import toolkit as seg
-from tfremat.core import is_convex
+from tfremat.simulation import requires_grad, simulate
 
 from tests.planners import graphs as G
 
@@ -69,3 +73,30 @@ def test_merge_shared_blocks_never_merges_into_the_last_block():
     assert seg.merge_shared_blocks(graph, blocks) == [ids[:5]]
     # valid_segments then keeps the shared call out of the segment.
     assert seg.valid_segments(graph, [ids[:5]]) == [ids[:4]]
+
+
+@pytest.mark.parametrize("planner", ["chen-sqrt", "chen-greedy", "chen-recursive",
+                                     "approx-dp", "exact-dp", "every-unit"])
+def test_no_segment_recomputes_calls_no_gradient_reaches(planner):
+    """Fine-tuning with a frozen backbone: no gradient flows into the frozen
+    calls, so a segment of them is never recomputed while its inputs are
+    kept to the end of the step. A chen-sqrt plan spread its segments over a
+    frozen MobileNetV2 and was predicted 24% above the plain step (54.9
+    against 44.2 MiB); no planner may make such a segment."""
+    graph = G.frozen_backbone(frozen=8, trainable=2)
+    reached = requires_grad(graph)
+    plain = simulate(graph).peak_bytes
+    try:
+        plan = make_plan(graph, 0, planner)
+    except BudgetError as e:
+        plan = make_plan(graph, e.min_budget_bytes, planner)
+
+    def segments(tree):
+        for s in tree:
+            yield s
+            yield from segments(s.children)
+
+    assert plan.segments, "the trainable blocks are worth a segment"
+    assert all(any(reached[n] for n in s.nodes) for s in segments(plan.segments))
+    if planner == "chen-sqrt":  # the plan that was predicted above the plain step
+        assert plan.peak_bytes < plain

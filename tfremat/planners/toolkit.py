@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 
 from tfremat.core import (BudgetError, Node, Plan, PlanGraph, Segment, recompute_units,
                           shared_layer_groups, split_ref)
-from tfremat.simulation import simulate
+from tfremat.simulation import requires_grad, simulate
 
 def activation_bytes(node: Node) -> int:
     """Bytes a call's forward results occupy: outputs plus internal saved tensors."""
@@ -173,7 +173,8 @@ def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list
 
     InputLayers are removed, each set is split into convex pieces (and, on a
     subclassed model, into the units the rewriter recomputes: one per node,
-    see `tfremat.core.recompute_units`), and the calls of a shared layer that
+    see `tfremat.core.recompute_units`), pieces the backward pass does not
+    reach are dropped (`reached_only`), and the calls of a shared layer that
     do not all land in one piece are taken out of the segments (kept instead
     of recomputed), repeating until stable.
 
@@ -187,9 +188,11 @@ def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list
         Non-empty, convex, disjoint segments in topological order.
     """
     groups = list(shared_layer_groups(graph).values())
+    reached = requires_grad(graph)
     sets = [[n for n in s if not graph.node(n).is_input] for s in node_sets]
     while True:
-        pieces = [p for s in sets for p in convex_pieces(graph, s) if p]
+        pieces = reached_only([p for s in sets for p in convex_pieces(graph, s) if p],
+                              reached)
         pieces = [u.nodes for u in recompute_units(graph, [Segment(p) for p in pieces])]
         piece_of = {n: k for k, p in enumerate(pieces) for n in p}
         broken = {c for calls in groups
@@ -218,11 +221,40 @@ def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
     if graph.metadata.get("subclassed", False):
         # One unit per call there (`recompute_units`): the plan says what runs.
         segments = valid_segments(graph, [getattr(s, "nodes", s) for s in segments])
+    segments = reached_only(segments, requires_grad(graph))
     plan = Plan.from_segments(graph, list(segments), planner=planner,
                               budget_bytes=budget_bytes, settings=dict(settings))
     plan.validate(graph)
     plan.estimates = simulate(graph, plan, validate=False).plan_estimate(details=details)
     return plan
+
+
+def reached_only(segments: Sequence[Segment | list[str]], reached: dict[str, bool]
+                 ) -> list[Segment | list[str]]:
+    """`segments` (and their children) without those the backward pass does
+    not reach at all.
+
+    A segment no gradient flows into (every call in it has no trainable
+    weights before it: a frozen backbone in fine-tuning) is never
+    recomputed, while the inputs it would be recomputed from are kept to the
+    end of the step: it costs memory and saves none.
+
+    Args:
+        segments: Segments, as Segments or lists of node ids.
+        reached: Whether a gradient flows into each node
+            (`tfremat.simulation.requires_grad`).
+
+    Returns:
+        The segments with a node the backward pass reaches, in order.
+    """
+    out: list[Segment | list[str]] = []
+    for s in segments:
+        if not any(reached[n] for n in getattr(s, "nodes", s)):
+            continue
+        if isinstance(s, Segment) and s.children:
+            s = Segment(list(s.nodes), reached_only(s.children, reached))
+        out.append(s)
+    return out
 
 
 def fits(plan: Plan, budget_bytes: int | None) -> bool:
