@@ -468,6 +468,12 @@ class Planner(keras.callbacks.Callback):
                     f"tfremat: no plan measured lower than the step without one; training "
                     f"without rewriting (predicted {self.predicted_peak_mb:.1f} MiB on "
                     f"{self.device}).")
+            elif plan.is_empty and plan is self._lowest_measured:
+                io_utils.print_msg(
+                    f"tfremat: training without rewriting, which measured lowest of the "
+                    f"plans tried, over the budget of {self.budget_mb:.1f} MiB (see the "
+                    f"warning above; predicted {self.predicted_peak_mb:.1f} MiB on "
+                    f"{self.device}).")
             elif plan.is_empty:
                 io_utils.print_msg(
                     f"tfremat: the step fits {self.budget_mb:.0f} MiB without rewriting "

@@ -558,7 +558,9 @@ def _in_replica_context(step: Any) -> Any:
             f"tfremat traces one replica's training step, but this "
             f"{type(strategy).__name__} has {local} replicas on this worker. Plan "
             "outside `strategy.scope()` with the per-replica batch (global batch // "
-            f"{strategy.num_replicas_in_sync}), or use tfremat.Planner in fit.")
+            f"{strategy.num_replicas_in_sync}): `plan = tfremat.plan(model, budget_mb, "
+            "batch_size=...)`, then rewrite and compile inside the scope: "
+            "`tfremat.rewrite(model, plan)`; or use tfremat.Planner in fit.")
     return lambda x, y: strategy.run(step, args=(x, y))
 
 

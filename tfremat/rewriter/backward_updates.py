@@ -160,7 +160,8 @@ def choose_updates(model: keras.Model, graph: PlanGraph, budget_bytes: int,
         if getattr(model, "jit_compile", False) is True:
             return False, UNDER_XLA
         if simulate(graph).peak_bytes <= budget_bytes:
-            return False, "not needed: the step is predicted to fit the budget"
+            return False, ("not needed: the step without a plan is predicted to fit the "
+                           "budget")
     return True, ""
 
 
