@@ -188,9 +188,9 @@ class _Values:
 
     def restore(self) -> None:
         # From an allocator copy: a variable assigned a NumPy array can keep the
-        # array's memory, outside the allocator's statistics (on CPU, after one
-        # measurement, 8.6 of DenseNet121's 26.9 MiB of weights no longer
-        # counted in the peaks measured after it). A GPU copies it into its own
+        # array's memory, outside the allocator's statistics (on CPU, 3.5 of
+        # DenseNet121's 26.9 MiB of weights no longer counted after one
+        # measurement, 8.6 after three). A GPU copies it into its own
         # allocator either way.
         with interrupts_deferred():  # every one, even when Ctrl-C comes halfway
             for v, value in self.pairs:
