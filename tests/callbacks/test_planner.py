@@ -847,7 +847,11 @@ def test_the_trials_of_a_plan_that_measured_over_the_budget_are_said_once(monkey
     with pytest.warns(RuntimeWarning, match="measured 130.0 MiB"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
                   callbacks=[tfremat.Planner(100, replan=False)])
-    assert "measured before training" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "measured before training" not in out
+    # The plan is the step without rewriting, over the budget: it does not fit.
+    assert "without rewriting, which measured lowest of the plans tried" in out, out
+    assert "fits" not in out, out
 
 
 def test_the_planner_says_when_measuring_stopped_at_its_time_limit(monkeypatch):
