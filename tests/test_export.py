@@ -96,9 +96,9 @@ def test_summary_says_whether_and_what_was_measured():
     assert "Measured peak:   not measured" in export.summary(g, plan)
     # Both ways to measure it: the function's and the command line's.
     assert "measure=True" in export.summary(g, plan) and "--measure" in export.summary(g, plan)
-    g.metadata["replicas"] = 2  # a step traced under a strategy: never measured
-    assert "several replicas are not measured" in export.summary(g, plan)
-    del g.metadata["replicas"]
+    plan.estimates = dataclasses.replace(simulate(g, plan).plan_estimate(), details={
+        "unmeasured": "why not"})  # as the Planner says why it measured nothing
+    assert "Measured peak:   not measured (why not)" in export.summary(g, plan)
     trials = [{"predicted_bytes": 2**20, "measured_bytes": 3 * 2**20}] * 2
     plan.estimates = dataclasses.replace(simulate(g, plan).plan_estimate(), details={
         "measured_peak_bytes": 3 * 2**20, "trials": trials})

@@ -242,7 +242,7 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append(f"Re-planned for:  {_mib(replanned)} ({why})")
     lines += [
         f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
-        f"Measured peak:   {_measured_line(graph, plan)}",
+        f"Measured peak:   {_measured_line(plan)}",
         f"Extra compute:   +{est.overhead:.1%} of a step",
         f"Segments:        {len(plan.segments)}; offloaded tensors: {len(plan.offloaded)}",
         f"Updates:         {_updates_line(plan)}",
@@ -263,12 +263,12 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _measured_line(graph: PlanGraph, plan: Plan) -> str:
+def _measured_line(plan: Plan) -> str:
     """What was measured of the plan before it was returned, if anything."""
     details = plan.estimates.details if plan.estimates else {}
     if "measured_peak_bytes" not in details:
-        if graph.metadata.get("replicas", 1) > 1:
-            return "not measured (plans of a step with several replicas are not measured)"
+        if "unmeasured" in details:
+            return f"not measured ({details['unmeasured']})"
         return ("not measured (measure=True in tfremat.plan, --measure on the command "
                 "line, measures it on the device)")
     tried = len(details.get("trials", []))

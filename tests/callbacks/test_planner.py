@@ -387,6 +387,10 @@ def test_mirrored_strategy_on_two_logical_cpus():
     assert not planner.plan.is_empty
     assert planner.graph.metadata["batch_shape"] == [[BATCH // 2, 48, 48, 3]]
     np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-4)
+    # Its summary says why it was not measured, not how to measure it.
+    text = tfremat.summary(planner.graph, planner.plan)
+    assert "not measured (the Planner measures no plan under a strategy with several " \
+        "replicas)" in text, text
 
 
 @pytest.mark.parametrize("each", [0.9, 1.2])

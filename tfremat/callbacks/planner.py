@@ -408,17 +408,22 @@ class Planner(keras.callbacks.Callback):
         """A plan for `budget_mb`; measured, then chosen, when `sample` (one
         device's share of the first batch) is given and the callback measures.
         `why`: what a warning says of `budget_mb` when it is not the budget."""
-        measure = (self.measure and self._stats and sample is not None
-                   and self.model.distribute_strategy.num_replicas_in_sync == 1)
+        replicated = self.model.distribute_strategy.num_replicas_in_sync > 1
+        measure = self.measure and self._stats and sample is not None and not replicated
 
         def plan(measure: bool) -> Plan:
-            return api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
+            made = api.plan(self.model, budget_mb, graph=self.graph, planner=self.planner,
                             objective=self.objective, offload=self.offload,
                             verbose=self.verbose, sample=sample if measure else None,
                             measure=measure, max_trials=self.max_trials,
                             measure_time_limit=self.measure_time_limit,
                             update_in_backward=self.update_in_backward,
                             pin_order=self.pin_order)
+            if replicated and self.measure and made.estimates is not None:
+                made.estimates = dataclasses.replace(made.estimates, details={
+                    **made.estimates.details, "unmeasured": "the Planner measures no "
+                    "plan under a strategy with several replicas"})
+            return made
 
         try:
             return plan(measure)
