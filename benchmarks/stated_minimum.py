@@ -124,8 +124,10 @@ def markdown(data: dict[str, Any]) -> str:
         sqrt = r["chen_sqrt"]
         sqrt_text = f"{sqrt['measured_mib']:.1f} ({sqrt['max_mib']:.1f})"
         if "plan" not in r:
-            lines.append(f"| {r['model']} | {r.get('stated_mib') or '-'} | "
-                         f"{r.get('error', '')[:200]} | | | | {sqrt_text} | |")
+            stated = f"{r['stated_mib']:.1f}" if r.get("stated_mib") else "-"
+            error = " ".join(r.get("error", "").split())
+            lines.append(f"| {r['model']} | {stated} | not planned: {error} | | | "
+                         f"not met | {sqrt_text} | |")
             continue
         p = r["plan"]
         met = "met" if p["max_mib"] <= r["stated_mib"] else (
