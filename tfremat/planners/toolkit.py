@@ -173,8 +173,7 @@ def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list
 
     InputLayers are removed, each set is split into convex pieces (and, on a
     subclassed model, into the units the rewriter recomputes: one per node,
-    see `tfremat.core.recompute_units`), pieces the backward pass does not
-    reach are dropped (`reached_only`), and the calls of a shared layer that
+    see `tfremat.core.recompute_units`), and the calls of a shared layer that
     do not all land in one piece are taken out of the segments (kept instead
     of recomputed), repeating until stable.
 
@@ -188,11 +187,9 @@ def valid_segments(graph: PlanGraph, node_sets: Iterable[Iterable[str]]) -> list
         Non-empty, convex, disjoint segments in topological order.
     """
     groups = list(shared_layer_groups(graph).values())
-    reached = requires_grad(graph)
     sets = [[n for n in s if not graph.node(n).is_input] for s in node_sets]
     while True:
-        pieces = reached_only([p for s in sets for p in convex_pieces(graph, s) if p],
-                              reached)
+        pieces = [p for s in sets for p in convex_pieces(graph, s) if p]
         pieces = [u.nodes for u in recompute_units(graph, [Segment(p) for p in pieces])]
         piece_of = {n: k for k, p in enumerate(pieces) for n in p}
         broken = {c for calls in groups
@@ -206,6 +203,8 @@ def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
                 planner: str, budget_bytes: int | None, settings: dict[str, Any],
                 details: dict[str, Any] | None = None) -> Plan:
     """Wraps segments in a validated Plan whose estimates come from `simulate`.
+
+    Segments the backward pass does not reach are dropped (`reached_only`).
 
     Args:
         graph: The PlanGraph.
