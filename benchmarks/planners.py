@@ -201,6 +201,20 @@ def peak_in_fresh_process(script: str, args: list[str], plan: Any, repeats: int)
         return json_from_process([script, *args, "--plan", path, "--repeats", str(repeats)])
 
 
+def plan_in_fresh_process(script: str, name: str, budget_mib: float) -> tuple[Any, dict]:
+    """Runs `script --make-plan name --budget B --plan PATH` in a fresh process,
+    whose worker plans with `measure=True` and writes the plan to PATH and
+    prints `{}`, or prints its BudgetError as JSON: the plan, or None and that
+    JSON."""
+    from tfremat.core import Plan
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "plan.json")
+        result = json_from_process([script, "--make-plan", name, "--budget",
+                                    str(budget_mib), "--plan", path])
+        return (Plan.from_json(path) if not result else None), result
+
+
 def json_from_process(args: list[str], env: dict[str, str] | None = None) -> Any:
     """Runs `python *args` in a fresh process (with `env`, if given); the JSON it
     prints last."""

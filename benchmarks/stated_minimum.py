@@ -25,13 +25,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import (MODELS, RESULTS, build_model, compile_like_original,  # noqa: E402
-                      json_from_process, model_names, peak_in_fresh_process, plan_at_minimum,
-                      run_header, Runner)
+from planners import (MODELS, RESULTS, Runner, build_model,  # noqa: E402
+                      compile_like_original, model_names, peak_in_fresh_process,
+                      plan_at_minimum, plan_in_fresh_process, run_header)
 
 MIB = 2**20
 
@@ -54,13 +53,7 @@ def plan_worker(name: str, budget_mib: float, plan_path: str) -> None:
 
 def fresh_plan(name: str, budget_mib: float) -> tuple[Any, dict[str, Any]]:
     """`plan_worker` in a fresh process: the plan, or None and the BudgetError."""
-    from tfremat.core import Plan
-
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "plan.json")
-        result = json_from_process([__file__, "--make-plan", name, "--budget",
-                                    str(budget_mib), "--plan", path])
-        return (Plan.from_json(path) if not result else None), result
+    return plan_in_fresh_process(__file__, name, budget_mib)
 
 
 def peak_worker(name: str, plan_path: str, repeats: int) -> None:

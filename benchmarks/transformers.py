@@ -32,12 +32,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import (RESULTS, Runner, json_from_process, model_names,  # noqa: E402
-                      peak_in_fresh_process, run_header, run_worker, step_seconds)
+from planners import (RESULTS, Runner, model_names, peak_in_fresh_process,  # noqa: E402
+                      plan_in_fresh_process, run_header, run_worker, step_seconds)
 
 MIB = 2**20
 
@@ -175,13 +174,7 @@ def plan_worker(name: str, budget_mib: float, plan_path: str) -> None:
 def fresh_plan(name: str, budget_mib: float) -> tuple[Any, dict[str, Any]]:
     """`tfremat.plan(..., measure=True)` for `name` in a fresh process: the plan,
     or None and the BudgetError's message and stated minimum."""
-    from tfremat.core import Plan
-
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "plan.json")
-        result = json_from_process([__file__, "--make-plan", name, "--budget",
-                                    str(budget_mib), "--plan", path])
-        return (Plan.from_json(path) if not result else None), result
+    return plan_in_fresh_process(__file__, name, budget_mib)
 
 
 def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
