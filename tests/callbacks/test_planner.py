@@ -661,6 +661,42 @@ def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(monkeypatch
     assert all(p > budget_mb for p in hist.history["peak_memory_mb"]), hist.history
 
 
+def test_planning_time_is_logged_and_said(monkeypatch, capsys):
+    """Planning runs inside the fit's first step, and a re-plan inside the step
+    that measured over the budget: Keras times both as training steps
+    (`fit(verbose=2)` once read "2s/step" for steps of 100 ms), so the Planner
+    says how long they took and logs it per epoch."""
+    import time
+
+    x, y = data(2)
+    budget_mb = plain_fit_peak(*data()) / 2  # the unplanned step is over it
+    real_plan = planner_module.api.plan
+    calls = []
+
+    def slow_optimistic_then_real(model, budget, **kwargs):
+        calls.append(budget)
+        time.sleep(0.5)
+        if len(calls) == 1:
+            return tfremat.Plan.from_segments(kwargs["graph"], [], planner="optimistic")
+        return real_plan(model, budget, **kwargs)
+
+    monkeypatch.setattr(planner_module.api, "plan", slow_optimistic_then_real)
+    planner = tfremat.Planner(budget_mb, verbose=1, measure=False)
+    with pytest.warns(RuntimeWarning, match="exceeds the budget"):
+        hist = make_model().fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                                callbacks=[planner])
+    assert planner.replans == 1
+    logged = hist.history["planning_s"]
+    assert len(logged) == 3 and logged == [planner.planning_s.get(e, 0.0) for e in range(3)]
+    # The first step planned (0.5 s of it in the planner) and the second, judged
+    # over the budget, re-planned (0.5 s more); the last epoch did neither.
+    assert logged[0] >= 1.0 and logged[2] == 0.0, logged
+    out = capsys.readouterr().out
+    assert "tfremat: planning (with the plan's first step) took" in out
+    assert "tfremat: re-planning took" in out
+    assert "which Keras counts in the step time of epoch 1" in out
+
+
 def test_training_with_updates_in_backward_is_bit_identical_to_plain_training(
         budget_mb, monkeypatch):
     """The head's update unit hands on the logits cached on its softmax output, so

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from typing import Any
 
 import keras
@@ -95,7 +96,8 @@ class Planner(keras.callbacks.Callback):
             Without Graphviz, a `.dot` file is written instead, with a warning.
         plot: Path of the memory timeline image (`.png`, `.svg`, `.pdf`); needs
             matplotlib only.
-        log_memory: Add `peak_memory_mb` and `predicted_peak_mb` to the logs.
+        log_memory: Add `peak_memory_mb`, `predicted_peak_mb` and `planning_s` to
+            the logs.
         log_batches: Also add them to the logs of every batch.
         replan: Re-plan when the measured peak exceeds the budget.
         max_replans: How many times to re-plan at most.
@@ -135,6 +137,11 @@ class Planner(keras.callbacks.Callback):
         plan_peak_mb: Measured peak of the steps run with `plan`, its first step
             (tracing, first-use allocations) left out; None before such a step.
         timeline: The memory timeline written (`plot`), or None.
+        planning_s: Seconds this fit spent planning (tracing, measuring
+            candidates, the plan's first step) and re-planning, by epoch:
+            `{epoch: seconds}`. Keras times them as part of the steps that
+            planned; each epoch's logs hold them as `planning_s` (0.0 when
+            it did not plan).
 
     Example:
 
@@ -200,6 +207,7 @@ class Planner(keras.callbacks.Callback):
         self.timeline: str | None = None
         self.epoch_peaks_mb: list[float] = []
         self.replans = 0
+        self.planning_s: dict[int, float] = {}
         self._installation: PlanInstallation | None = None
         self._fit: Any = None  # the fit this callback is part of
         self._own_train_function: Any = None
@@ -281,7 +289,19 @@ class Planner(keras.callbacks.Callback):
         # Replicas sharing the allocator measure together: when their sum is over
         # their budgets' sum, one of them is over its own.
         if peak > self.budget_mb * self._sharing and self._measuring:
+            started, replans = time.perf_counter(), self.replans
             self._over_budget(peak)
+            if self.replans != replans:
+                self._planned_for(time.perf_counter() - started, "re-planning")
+
+    def _planned_for(self, seconds: float, what: str) -> None:
+        """Records `seconds` of planning in this epoch and, when verbose, says
+        so: Keras counts them in the step that planned (`fit(verbose=2)` then
+        reads seconds per step for the epoch)."""
+        self.planning_s[self._epoch] = self.planning_s.get(self._epoch, 0.0) + seconds
+        if self.verbose:
+            io_utils.print_msg(f"tfremat: {what} took {seconds:.1f} s, which Keras counts "
+                               f"in the step time of epoch {self._epoch + 1}.")
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
@@ -296,6 +316,9 @@ class Planner(keras.callbacks.Callback):
             if self._stats:
                 logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
             logs["predicted_peak_mb"] = self.predicted_peak_mb
+            # Seconds of the epoch's time that were planning, not training (0.0
+            # in the others, so History's lists stay aligned with its epochs).
+            logs["planning_s"] = self.planning_s.get(epoch, 0.0)
         if self.plot:
             self._draw_timeline(self.epoch_peaks_mb)
         if self._summary_writer is not None:
@@ -338,17 +361,24 @@ class Planner(keras.callbacks.Callback):
             return self.model.train_function(iterator)
         stepping = False
         try:
+            started = None
             if self._installation is None:
+                started = time.perf_counter()
                 iterator = self._plan_first_batch(iterator)
             stepping = True
             if not self._stats:
-                return self._installation.run(iterator)
-            # The step's peak alone: not the planning before it, nor what other
-            # callbacks, fit's validation or the user do between steps.
-            tf.config.experimental.reset_memory_stats(self.device)
-            logs = self._installation.run(iterator)
-            self._step_peak_mb = self._peak_mb()
-            self._epoch_peak_mb = max(self._epoch_peak_mb, self._step_peak_mb)
+                logs = self._installation.run(iterator)
+            else:
+                # The step's peak alone: not the planning before it, nor what other
+                # callbacks, fit's validation or the user do between steps.
+                tf.config.experimental.reset_memory_stats(self.device)
+                logs = self._installation.run(iterator)
+                self._step_peak_mb = self._peak_mb()
+                self._epoch_peak_mb = max(self._epoch_peak_mb, self._step_peak_mb)
+            if started is not None:
+                # Planning, measuring and the plan's first step (its trace).
+                self._planned_for(time.perf_counter() - started,
+                                  "planning (with the plan's first step)")
             return logs
         except (StopIteration, tf.errors.OutOfRangeError):
             # The data ran out (a dataset of unknown length): Keras ends the
