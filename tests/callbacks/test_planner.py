@@ -665,7 +665,7 @@ def test_planning_time_is_logged_and_said(monkeypatch, capsys):
     """Planning runs inside the fit's first step, and a re-plan inside the step
     that measured over the budget: Keras times both as training steps
     (`fit(verbose=2)` once read "2s/step" for steps of 100 ms), so the Planner
-    says how long they took and logs it per epoch."""
+    says how long they took and records it per epoch."""
     import time
 
     x, y = data(2)
@@ -686,11 +686,11 @@ def test_planning_time_is_logged_and_said(monkeypatch, capsys):
         hist = make_model().fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
                                 callbacks=[planner])
     assert planner.replans == 1
-    logged = hist.history["planning_s"]
-    assert len(logged) == 3 and logged == [planner.planning_s.get(e, 0.0) for e in range(3)]
     # The first step planned (0.5 s of it in the planner) and the second, judged
-    # over the budget, re-planned (0.5 s more); the last epoch did neither.
-    assert logged[0] >= 1.0 and logged[2] == 0.0, logged
+    # over the budget, re-planned (0.5 s more); the epochs after did neither.
+    assert list(planner.planning_s) == [0] and planner.planning_s[0] >= 1.0, \
+        planner.planning_s
+    assert len(hist.history["loss"]) == 3
     out = capsys.readouterr().out
     assert "tfremat: planning (with the plan's first step) took" in out
     assert "tfremat: re-planning took" in out

@@ -96,8 +96,7 @@ class Planner(keras.callbacks.Callback):
             Without Graphviz, a `.dot` file is written instead, with a warning.
         plot: Path of the memory timeline image (`.png`, `.svg`, `.pdf`); needs
             matplotlib only.
-        log_memory: Add `peak_memory_mb`, `predicted_peak_mb` and `planning_s` to
-            the logs.
+        log_memory: Add `peak_memory_mb` and `predicted_peak_mb` to the logs.
         log_batches: Also add them to the logs of every batch.
         replan: Re-plan when the measured peak exceeds the budget.
         max_replans: How many times to re-plan at most.
@@ -140,8 +139,7 @@ class Planner(keras.callbacks.Callback):
         planning_s: Seconds this fit spent planning (tracing, measuring
             candidates, the plan's first step) and re-planning, by epoch:
             `{epoch: seconds}`. Keras times them as part of the steps that
-            planned; each epoch's logs hold them as `planning_s` (0.0 when
-            it did not plan).
+            planned (with `verbose=1` the callback says so when it happens).
 
     Example:
 
@@ -316,9 +314,6 @@ class Planner(keras.callbacks.Callback):
             if self._stats:
                 logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
             logs["predicted_peak_mb"] = self.predicted_peak_mb
-            # Seconds of the epoch's time that were planning, not training (0.0
-            # in the others, so History's lists stay aligned with its epochs).
-            logs["planning_s"] = self.planning_s.get(epoch, 0.0)
         if self.plot:
             self._draw_timeline(self.epoch_peaks_mb)
         if self._summary_writer is not None:
