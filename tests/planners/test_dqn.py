@@ -298,8 +298,9 @@ def test_tfremat_plan_forwards_finetune_episodes_to_dqn():
 
 @pytest.mark.slow
 def test_training_script_reproduces_the_shipped_weights(tmp_path):
-    # Holds on a CPU like the shipped run's; on an AMD EPYC reporting AVX512 the
-    # script trains other weights (docs/choosing-a-planner.md): not resolved.
+    # Holds on a CPU like the shipped run's; on an AMD EPYC and an Intel Xeon
+    # reporting AVX512 the script trains other weights (docs/choosing-a-planner.md):
+    # not resolved.
     out = tmp_path / "weights.npz"
     subprocess.run([sys.executable, "-m", "tfremat.planners.deepq.train", "--seed", "0",
                     "--out", str(out)], check=True, cwd=ROOT, timeout=3600)
