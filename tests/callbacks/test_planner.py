@@ -661,7 +661,7 @@ def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(monkeypatch
     assert all(p > budget_mb for p in hist.history["peak_memory_mb"]), hist.history
 
 
-def test_planning_time_is_logged_and_said(monkeypatch, capsys):
+def test_planning_time_is_recorded_and_said(monkeypatch, capsys):
     """Planning runs inside the fit's first step, and a re-plan inside the step
     that measured over the budget: Keras times both as training steps
     (`fit(verbose=2)` once read "2s/step" for steps of 100 ms), so the Planner
