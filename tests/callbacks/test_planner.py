@@ -1,5 +1,6 @@
 """The Planner callback inside model.fit."""
 
+import time
 import warnings
 
 import keras
@@ -86,6 +87,27 @@ def measured_budget_mb(x, y) -> float:
     return (floor + plain) / 2
 
 
+def optimistic_first_plan(monkeypatch, delay_s: float = 0.0) -> list[float]:
+    """Makes the Planner's first plan claim the step fits (no recomputation at
+    all) and every later one a real plan; each call takes `delay_s` longer.
+
+    Returns:
+        The budgets the Planner planned for, filled as it plans.
+    """
+    real_plan = planner_module.api.plan
+    calls: list[float] = []
+
+    def optimistic_then_real(model, budget, **kwargs):
+        calls.append(budget)
+        time.sleep(delay_s)
+        if len(calls) == 1:
+            return tfremat.Plan.from_segments(kwargs["graph"], [], planner="optimistic")
+        return real_plan(model, budget, **kwargs)
+
+    monkeypatch.setattr(planner_module.api, "plan", optimistic_then_real)
+    return calls
+
+
 def test_trains_under_budget_with_the_same_losses(tmp_path):
     x, y = data()
     plain = make_model()
@@ -136,17 +158,7 @@ def test_budget_that_fits_needs_no_rewrite(capsys):
 def test_too_optimistic_first_plan_is_replanned(monkeypatch):
     x, y = data()
     budget_mb = measured_budget_mb(x, y)
-    real_plan = planner_module.api.plan
-    calls = []
-
-    def optimistic_then_real(model, budget, **kwargs):
-        calls.append(budget)
-        if len(calls) == 1:  # claims the step fits: no recomputation at all
-            graph = kwargs["graph"]
-            return tfremat.Plan.from_segments(graph, [], planner="optimistic")
-        return real_plan(model, budget, **kwargs)
-
-    monkeypatch.setattr(planner_module.api, "plan", optimistic_then_real)
+    calls = optimistic_first_plan(monkeypatch)
     planner = tfremat.Planner(budget_mb, verbose=0)
     hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
                             callbacks=[planner])
@@ -641,16 +653,7 @@ def test_an_epoch_ending_with_a_replan_reports_the_peak_of_its_steps(monkeypatch
     # measured under a budget midway between the lowest plan and plain), and what the
     # allocator holds right after the reset is under it.
     budget_mb = plain_fit_peak(*data()) / 2
-    real_plan = planner_module.api.plan
-    calls = []
-
-    def optimistic_then_real(model, budget, **kwargs):
-        calls.append(budget)
-        if len(calls) == 1:
-            return tfremat.Plan.from_segments(kwargs["graph"], [], planner="optimistic")
-        return real_plan(model, budget, **kwargs)
-
-    monkeypatch.setattr(planner_module.api, "plan", optimistic_then_real)
+    optimistic_first_plan(monkeypatch)
     planner = tfremat.Planner(budget_mb, verbose=0, measure=False)
     with pytest.warns(RuntimeWarning, match="exceeds the budget"):
         hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
@@ -666,21 +669,9 @@ def test_planning_time_is_recorded_and_said(monkeypatch, capsys):
     that measured over the budget: Keras times both as training steps
     (`fit(verbose=2)` once read "2s/step" for steps of 100 ms), so the Planner
     says how long they took and records it per epoch."""
-    import time
-
     x, y = data(2)
     budget_mb = plain_fit_peak(*data()) / 2  # the unplanned step is over it
-    real_plan = planner_module.api.plan
-    calls = []
-
-    def slow_optimistic_then_real(model, budget, **kwargs):
-        calls.append(budget)
-        time.sleep(0.5)
-        if len(calls) == 1:
-            return tfremat.Plan.from_segments(kwargs["graph"], [], planner="optimistic")
-        return real_plan(model, budget, **kwargs)
-
-    monkeypatch.setattr(planner_module.api, "plan", slow_optimistic_then_real)
+    optimistic_first_plan(monkeypatch, delay_s=0.5)
     planner = tfremat.Planner(budget_mb, verbose=1, measure=False)
     with pytest.warns(RuntimeWarning, match="exceeds the budget"):
         hist = make_model().fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
