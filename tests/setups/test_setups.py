@@ -55,8 +55,8 @@ def weights(out: pathlib.Path, name: str, mode: str) -> list[np.ndarray]:
 
 
 # Two fresh processes per setup: 30-160 s a setup in the suite on a 2-core AMD
-# EPYC, 25 minutes for 15. Seven run in the default selection, the other
-# nine with `-m slow` (tests/slow.txt).
+# EPYC, 25 minutes for 15. Five run in the default selection, the other
+# eleven with `-m slow` (tests/slow.txt).
 @pytest.mark.parametrize("threads", [
     "1", pytest.param("default", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(SETUPS))
