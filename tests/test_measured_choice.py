@@ -673,3 +673,29 @@ def test_a_bad_measure_time_limit_is_refused_at_the_door(limit, error):
         tfremat.Planner(100, measure_time_limit=limit)
     with pytest.raises(error, match="measure_time_limit must be a .*number of seconds"):
         tfremat.plan(cnn(), 100, batch_size=4, measure=True, measure_time_limit=limit)
+
+
+def test_plans_measured_after_a_step_predicted_to_fit_update_in_the_backward_pass(
+        monkeypatch):
+    """A budget above the predicted plain peak plans nothing and leaves the
+    updates after the backward pass; when that step measures over the budget,
+    the plans made for less are made with updates in the backward pass (a
+    frozen-backbone MobileNetV2 was predicted 17% under its measured peak)."""
+    model = cnn()
+    graph = tfremat.extract(model, batch_size=8)
+    plain = tfremat.simulate(graph).peak_bytes
+    measured = []
+
+    class Installation(FakeInstallation):
+        def measure_peak(self, **kwargs):  # the plain step measures 20% over
+            measured.append(self.plan)
+            return int(self.plan.peak_bytes * (1.2 if self.plan.is_empty else 1.0))
+
+    monkeypatch.setattr(api, "PlanInstallation", Installation)
+    chosen = tfremat.plan(model, plain * 1.05 / MIB, graph=graph, measure=True,
+                          offload=False)
+    first = measured[0]
+    assert first.is_empty and first.update_note.startswith("not needed"), first.update_note
+    assert len(measured) > 1 and all(p.update_in_backward for p in measured[1:])
+    assert chosen.update_in_backward and chosen.update_note == ""
+    assert chosen.estimates.details["measured_peak_bytes"] <= plain * 1.05

@@ -167,7 +167,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             (docs/updates-in-backward.md): `"auto"` (the default: when the
             step does not fit as it is, the optimizer allows it and the model
             is not compiled by XLA, under which it frees nothing), True, or
-            False (updates after the backward pass, as Keras does). Where it
+            False (updates after the backward pass, as Keras does). With
+            `measure`, `"auto"` decides for each plan measured: the plans made
+            for less than `budget_mb` after a step predicted to fit measured
+            over it run their updates in the backward pass. Where it
             cannot be exact (`global_clipnorm`, `LossScaleOptimizer`, gradient
             accumulation, a custom `train_step`, a `tf.distribute` strategy)
             the plan says why in `update_note` and updates after the backward
@@ -227,10 +230,17 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             graph = extract(model, batch_size=batch_size, sample=sample)
             if traced:
                 traced(1)
-        updates, note = choose_updates(model, graph, int(budget_mb * MIB), update_in_backward)
+        # True and False hold for every plan (True warns once where it cannot be
+        # honoured). "auto" is decided for the budget each plan is made for: when
+        # the step is predicted to fit but measures over, the plans measured next
+        # are made for less, and the updates may be what brings it down.
+        decided = (None if update_in_backward == "auto" else
+                   choose_updates(model, graph, int(budget_mb * MIB), update_in_backward))
         pin_order = pinned(pin_order)
 
         def make(budget_bytes: int, objective: str = objective) -> Plan:
+            updates, note = (choose_updates(model, graph, budget_bytes, "auto")
+                             if decided is None else decided)
             made = make_plan(graph, budget_bytes, planner=planner, objective=objective,
                              time_limit=time_limit, verbose=verbose,
                              update_in_backward=updates, **settings)
