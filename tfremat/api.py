@@ -231,15 +231,17 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             if traced:
                 traced(1)
         # True and False hold for every plan (True warns once where it cannot be
-        # honoured). "auto" is decided for the budget each plan is made for: when
-        # the step is predicted to fit but measures over, the plans measured next
-        # are made for less, and the updates may be what brings it down.
+        # honoured). "auto" is decided for the lower of the budget asked for and
+        # the one each plan is made for: when the step is predicted to fit but
+        # measures over, the plans measured next are made for less, and the
+        # updates may be what brings it down.
+        asked = int(budget_mb * MIB)
         decided = (None if update_in_backward == "auto" else
-                   choose_updates(model, graph, int(budget_mb * MIB), update_in_backward))
+                   choose_updates(model, graph, asked, update_in_backward))
         pin_order = pinned(pin_order)
 
         def make(budget_bytes: int, objective: str = objective) -> Plan:
-            updates, note = (choose_updates(model, graph, budget_bytes, "auto")
+            updates, note = (choose_updates(model, graph, min(budget_bytes, asked), "auto")
                              if decided is None else decided)
             made = make_plan(graph, budget_bytes, planner=planner, objective=objective,
                              time_limit=time_limit, verbose=verbose,
@@ -255,7 +257,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             return fixed_plans(graph, like)
 
         try:
-            result = make(int(budget_mb * MIB))
+            result = make(asked)
         except BudgetError as e:
             if not measure:
                 raise
