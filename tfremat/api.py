@@ -184,7 +184,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             unpinned plan saves almost nothing. Elsewhere steadier peaks on
             some models, higher ones on others; predicted as the unpinned
             step (docs/how-it-works.md, "Pinning the order"). On a subclassed
-            model, the recomputed sublayer calls are pinned.
+            model, the recomputed sublayer calls are pinned. Under
+            `MultiWorkerMirroredStrategy`, where nothing measures the plan, pass
+            True: it kept each worker's peak steady (docs/scaling.md).
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.
 

@@ -3,7 +3,8 @@
 Run as `python -m tests.distribute.mwms_worker --out DIR --worker I --ports P0,P1`
 (started by examples/multi_worker.py's `run_workers`).
 In the strategy's scope it builds an MLP whose activations dominate its memory,
-plans it with `tfremat.plan` under 70% of its predicted plain peak, rewrites it
+plans it with `tfremat.plan` under 70% of its predicted plain peak, its order
+pinned as examples/multi_worker.py pins it, rewrites it
 with `tfremat.rewrite`, and trains STEPS steps of a custom loop (`strategy.run`)
 on its half of each global batch, measuring this process's CPU allocator peak.
 Then it trains the plain model from the same initial weights on the same
@@ -53,7 +54,7 @@ def main() -> None:
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         graph = tfremat.extract(model, batch_size=per_worker)
         budget_mb = 0.7 * tfremat.simulate(graph).peak_mb
-        plan = tfremat.plan(model, budget_mb, graph=graph)
+        plan = tfremat.plan(model, budget_mb, graph=graph, pin_order=True)
         rewritten = tfremat.rewrite(model, plan)
     initial = [v.numpy() for v in model.weights]
 
@@ -108,7 +109,7 @@ def main() -> None:
             "workers": workers, "per_worker_batch": per_worker,
             "batch_shape": graph.metadata["batch_shape"],
             "fingerprint": graph.fingerprint(), "plan_fingerprint": plan.graph_fingerprint,
-            "segments": [s.nodes for s in plan.segments],
+            "segments": [s.nodes for s in plan.segments], "pin_order": plan.pin_order,
             "replicas": graph.metadata["replicas"],
             "all_reduce_bytes": graph.persistent_bytes.get("all_reduce", 0),
             "gradient_bytes": sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize

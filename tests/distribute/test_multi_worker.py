@@ -68,7 +68,11 @@ def test_every_worker_applies_the_same_plan(workers):
 
 
 def test_each_worker_measures_its_peak_within_the_budget(workers):
+    # The plan is made by prediction alone, its order pinned (as the example
+    # pins it); unpinned, a worker's step measured up to 12% over this budget
+    # in some runs (docs/scaling.md).
     for w in workers:
+        assert w["pin_order"] is True, w
         assert 0 < w["planned_peak_mb"] <= w["budget_mb"], w
         # The plain step on the same worker does not fit: the budget binds.
         assert w["plain_peak_mb"] > w["budget_mb"], w
