@@ -4,14 +4,14 @@ Keras 3's `model.fit` does not run under `tf.distribute.MultiWorkerMirroredStrat
 (keras-team/keras#20585), so multi-worker Keras 3 training is a custom loop
 around `strategy.run`. Inside `strategy.scope()`, on every worker:
 
-    plan = tfremat.plan(model, budget_mb, batch_size=per_worker_batch,
-                        pin_order=True)
+    plan = tfremat.plan(model, budget_mb, batch_size=per_worker_batch)
     model_to_train = tfremat.rewrite(model, plan)
 
 `tfremat.plan` traces this worker's step through the strategy and every
 worker applies the chief's plan. `budget_mb` is per device. Nothing measures
-the plan here (the `Planner` is for `fit`), so its order is pinned: the
-workers' peaks then do not ride on which ready operation a thread runs first.
+the plan here (the `Planner` is for `fit`), so in this scope `tfremat.plan`
+pins its order: the workers' peaks then do not ride on which ready operation
+a thread runs first.
 
 This script starts 2 worker processes on localhost (TF_CONFIG with free ports),
 each trains a few steps and reports its plan and its own measured peak (each
@@ -113,7 +113,7 @@ def work(index: int, ports: str, smoke: bool) -> None:
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         graph = tfremat.extract(model, batch_size=per_worker)
         budget_mb = 0.7 * tfremat.simulate(graph).peak_mb  # per device
-        plan = tfremat.plan(model, budget_mb, graph=graph, pin_order=True)
+        plan = tfremat.plan(model, budget_mb, graph=graph)
         smaller = tfremat.rewrite(model, plan)
         optimizer = keras.optimizers.SGD(0.1)
 

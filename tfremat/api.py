@@ -92,11 +92,22 @@ def pinned(pin_order: bool | str) -> bool:
     thread: there the executor runs them in the order Grappler left, which on
     models with skip connections kept what recomputation freed (a residual
     CNN's plan predicted at 141 MiB measured 227-239, the plain step 236-240;
-    pinned 136-140).
+    pinned 136-140). It pins too in a multi-worker strategy's scope, where no
+    `Planner` measures the plan: unpinned, a worker of two sharing two cores
+    measured its plan at up to 10.26 MiB against a 9.19 MiB budget, pinned at
+    5.7-7.8 MiB against 9.50 (docs/scaling.md).
     """
     if pin_order == "auto":
-        return inter_op_threads() == 1
+        return inter_op_threads() == 1 or multi_worker()
     return bool(pin_order)
+
+
+def multi_worker() -> bool:
+    """Whether the current `tf.distribute` scope spans several workers."""
+    if not tf.distribute.in_cross_replica_context():
+        return False
+    strategy = tf.distribute.get_strategy()
+    return strategy.num_replicas_in_sync != len(strategy.extended.worker_devices)
 
 
 def deprecated_strategy(strategy: str | None, objective: str) -> str:
@@ -181,12 +192,13 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             when TensorFlow runs the step on one inter-op thread (set by
             `tf.config.threading.set_inter_op_parallelism_threads(1)`,
             `TF_NUM_INTEROP_THREADS=1` or a one-CPU machine), where an
-            unpinned plan saves almost nothing. Elsewhere steadier peaks on
-            some models, higher ones on others; predicted as the unpinned
-            step (docs/how-it-works.md, "Pinning the order"). On a subclassed
-            model, the recomputed sublayer calls are pinned. Under
-            `MultiWorkerMirroredStrategy`, where nothing measures the plan, pass
-            True: it kept each worker's peak steady (docs/scaling.md).
+            unpinned plan saves almost nothing, and in the scope of a
+            `MultiWorkerMirroredStrategy`, where nothing measures the plan
+            and pinned peaks were steadier (docs/scaling.md). Elsewhere
+            steadier peaks on some models, higher ones on others; predicted
+            as the unpinned step (docs/how-it-works.md, "Pinning the
+            order"). On a subclassed model, the recomputed sublayer calls are
+            pinned.
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.
 
@@ -686,11 +698,9 @@ def chief_plan(local: Plan, graph: PlanGraph) -> Plan:
     Raises:
         PlanMismatchError: the chief planned another model (fingerprints differ).
     """
-    if not tf.distribute.in_cross_replica_context():
+    if not multi_worker():
         return local
     strategy = tf.distribute.get_strategy()
-    if strategy.num_replicas_in_sync == len(strategy.extended.worker_devices):
-        return local  # one worker
     chief = strategy.extended.should_checkpoint
     text = local.to_json(indent=None)
 

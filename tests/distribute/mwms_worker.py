@@ -3,8 +3,7 @@
 Run as `python -m tests.distribute.mwms_worker --out DIR --worker I --ports P0,P1`
 (started by examples/multi_worker.py's `run_workers`).
 In the strategy's scope it builds an MLP whose activations dominate its memory,
-plans it with `tfremat.plan` under 70% of its predicted plain peak, its order
-pinned as examples/multi_worker.py pins it, rewrites it
+plans it with `tfremat.plan` under 70% of its predicted plain peak, rewrites it
 with `tfremat.rewrite`, and trains STEPS steps of a custom loop (`strategy.run`)
 on its half of each global batch, measuring this process's CPU allocator peak.
 Then it trains the plain model from the same initial weights on the same
@@ -54,7 +53,7 @@ def main() -> None:
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         graph = tfremat.extract(model, batch_size=per_worker)
         budget_mb = 0.7 * tfremat.simulate(graph).peak_mb
-        plan = tfremat.plan(model, budget_mb, graph=graph, pin_order=True)
+        plan = tfremat.plan(model, budget_mb, graph=graph)
         rewritten = tfremat.rewrite(model, plan)
     initial = [v.numpy() for v in model.weights]
 
@@ -111,7 +110,7 @@ def main() -> None:
             "fingerprint": graph.fingerprint(), "plan_fingerprint": plan.graph_fingerprint,
             "segments": [s.nodes for s in plan.segments], "pin_order": plan.pin_order,
             "replicas": graph.metadata["replicas"],
-            "all_reduce_bytes": graph.persistent_bytes.get("all_reduce", 0),
+            "update_workspace_bytes": graph.update_workspace_bytes,
             "gradient_bytes": sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
                                   for v in model.trainable_weights),
             "budget_mb": budget_mb, "predicted_plain_mb": tfremat.simulate(graph).peak_mb,

@@ -52,12 +52,13 @@ def test_the_plan_is_made_inside_the_scope_for_the_per_worker_batch(workers):
         assert w["segments"] and w["recompute_layers"] == len(w["segments"])
 
 
-def test_the_simulator_counts_the_gradient_all_reduce_pack(workers):
+def test_the_simulator_counts_the_gradient_all_reduce_pack_in_the_update(workers):
     # Keras's optimizer concatenates every gradient into one pack and
-    # all-reduces it: the pack and its result, twice the gradients' bytes.
+    # all-reduces it: the pack and its result coexist in the update, twice
+    # the gradients' bytes.
     for w in workers:
         assert w["replicas"] == 2
-        assert w["all_reduce_bytes"] == 2 * w["gradient_bytes"] > 0
+        assert w["update_workspace_bytes"] >= 2 * w["gradient_bytes"] > 0
 
 
 def test_every_worker_applies_the_same_plan(workers):
@@ -68,9 +69,9 @@ def test_every_worker_applies_the_same_plan(workers):
 
 
 def test_each_worker_measures_its_peak_within_the_budget(workers):
-    # The plan is made by prediction alone, its order pinned (as the example
-    # pins it); unpinned, a worker's step measured up to 12% over this budget
-    # in some runs (docs/scaling.md).
+    # The plan is made by prediction alone; in a multi-worker scope its order
+    # is pinned by default. Unpinned, a worker's step measured up to 12% over
+    # such a budget in some runs (docs/scaling.md).
     for w in workers:
         assert w["pin_order"] is True, w
         assert 0 < w["planned_peak_mb"] <= w["budget_mb"], w

@@ -181,8 +181,7 @@ class PlanGraph:
         nodes: Nodes in a topological order.
         persistent_bytes: Bytes alive for the whole step, by kind: `"weights"`,
             `"optimizer"` (slots), `"other"` (non-trainable variables, counters),
-            `"batch"` (the input batch and targets), `"all_reduce"` (under a
-            multi-replica strategy: the gradient all-reduce's pack buffers).
+            `"batch"` (the input batch and targets).
         update_workspace_bytes: Peak transient memory of the optimizer update.
         loss_workspace_bytes: Peak transient memory of the loss and its gradient.
         outputs: References of the model outputs (the loss reads them).

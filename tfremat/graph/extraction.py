@@ -519,8 +519,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         positions[METRICS], flow, lambda r: all(owner[c] == METRICS for c in flow.readers[r]))
     outputs_in_place = sorted({out_ref[home] for home in outliving
                                if home[0] not in made_at_loss and home in out_ref})
-    packs = _all_reduce_packs(update_pos, flow) if traced.replicas > 1 else set()
-    update_ws = _peak_of_temporaries(update_pos, flow, lambda r: r not in packs)
+    update_ws = _peak_of_temporaries(update_pos, flow, lambda r: True)
     output_refs = traced.output_refs or _dynamic_outputs(owner, flow, out_ref)
 
     persistent = {
@@ -529,8 +528,6 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         "optimizer": traced.optimizer_bytes,
         "batch": int(sum(costs.tensor_bytes(ops[i].outputs[0]) for i in placeholders)),
     }
-    if packs:
-        persistent["all_reduce"] = int(sum(flow.size[r] for r in packs))
     return PlanGraph(
         nodes=nodes, persistent_bytes=persistent,
         update_workspace_bytes=update_ws, loss_workspace_bytes=loss_ws + metrics_ws,
@@ -544,31 +541,6 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             "allocator": device_allocator(device_name()),
             **({"kernel_workspaces": kernels.metadata()} if kernels else {}),
         })
-
-
-def _all_reduce_packs(update_pos: list[int], flow: _Dataflow) -> set[_Root]:
-    """The buffers of the update's gradient all-reduces: each pack of
-    concatenated gradients and its reduced result.
-
-    Under a multi-replica strategy Keras's optimizer all-reduces the gradients
-    in one pack (`ConcatV2` of every flattened gradient, `CollectiveReduceV2`,
-    `SplitV`): the pack and its result coexist with the gradients in the update.
-    They are counted as persistent bytes of the step (`"all_reduce"`) rather
-    than as the update's workspace: on TensorFlow's BFC allocator their chunks
-    are freed at the end of every step, and the next step's activations placed
-    in them occupy the whole chunk (BFC hands out a free chunk less than twice
-    the request unsplit). Measured on 2 worker processes (an MLP whose pack is
-    1.01 MiB), 0.5 MiB activations sat in 0.90-0.94 MiB chunks and the rounding
-    at the peak, late in the backward pass, came to 1.1-1.3 MiB: the two pack
-    buffers (2.02 MiB) bound it.
-    """
-    packs: set[_Root] = set()
-    for i in update_pos:
-        op = flow.ops[i]
-        if op.type in costs.ALL_REDUCE_OPS:
-            packs.add(flow.root[(i, 0)])
-            packs.add(flow.root_of(op.inputs[0]))
-    return {r for r in packs if flow.size.get(r)}
 
 
 def _tensor_info(t: tf.Tensor, batch: int | None, site_id: str) -> TensorInfo:
