@@ -182,6 +182,26 @@ def test_framework_free_floors_import_without_tensorflow_or_keras():
     assert result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+def test_importing_tfremat_and_its_command_leaves_tensorflow_unimported():
+    """`tfremat --help` answers in a second, and the command's TensorFlow log
+    level (`TF_CPP_MIN_LOG_LEVEL`) is set before TensorFlow reads it."""
+    code = textwrap.dedent("""
+        import sys
+        import tfremat
+        from tfremat import cli
+        try:
+            cli.main(["--version"])
+        except SystemExit:
+            pass
+        loaded = [m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras")]
+        assert not loaded, loaded[:5]
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 def test_no_public_name_hides_a_module():
     """`tfremat.rewrite` is a function: a module of that name would replace it
     as soon as someone imported the module (likewise in every public face)."""

@@ -5,8 +5,9 @@ memory budget; the rewriter applies the plan to a Keras model that shares the
 original's weights.
 
 Parts that need TensorFlow load on first use, so `tfremat.simulate`, the
-planners and `PlanGraph` work without it. When TensorFlow is there, importing
-tfremat registers its Keras layers, so saved rewritten models load.
+planners and `PlanGraph` work without it, and importing tfremat does not import
+TensorFlow. Once Keras is imported (before or after tfremat), tfremat registers
+its Keras layers with it, so saved rewritten models load.
 
 Importing tfremat sets `TF_CPU_ALLOCATOR_USE_BFC=1` unless it is set already:
 on CPUs where TensorFlow runs without oneDNN, its default CPU allocator keeps
@@ -19,6 +20,8 @@ from __future__ import annotations
 import importlib
 import os
 from typing import Any
+
+import wrapt
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
@@ -56,15 +59,18 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def _register_keras_layers() -> None:
-    """Registers `RecomputeSegment` with Keras when TensorFlow and Keras are usable."""
+def _register_keras_layers(keras: Any) -> None:
+    """Registers tfremat's layers (`RecomputeSegment`, `UpdateUnit`) with
+    `keras`, so saved rewritten models load, when TensorFlow is usable too."""
     try:
         importlib.import_module("tfremat.rewriter.segment_layer")
     except (ImportError, BackendError):
         pass  # tfremat's TensorFlow parts say what is missing when used
 
 
-_register_keras_layers()
+# Now if Keras is imported already, else as soon as it is: importing tfremat
+# itself stays free of TensorFlow (the `tfremat` command starts in a second).
+wrapt.register_post_import_hook(_register_keras_layers, "keras")
 
 __all__ = [
     "BackendError", "BudgetError", "Estimate", "Node", "Offload", "Plan", "PlanEstimate",

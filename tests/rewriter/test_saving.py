@@ -33,8 +33,9 @@ def test_keras_file_round_trip_in_fresh_process(build, tmp_path):
     np.savez(tmp_path / "io.npz", *keras.tree.flatten(x))
     np.savez(tmp_path / "expected.npz", *expected)
     script = textwrap.dedent(f"""
-        import numpy as np, keras
-        import tfremat  # registers RecomputeSegment
+        import numpy as np
+        import tfremat  # registers RecomputeSegment once Keras is imported
+        import keras
         model = keras.models.load_model({str(path)!r})
         from tfremat.rewriter import RecomputeSegment
         assert any(isinstance(l, RecomputeSegment) for l in model.layers)
@@ -52,6 +53,21 @@ def test_keras_file_round_trip_in_fresh_process(build, tmp_path):
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("OK")
+
+
+@pytest.mark.parametrize("first", ["keras", "tfremat"])
+def test_tfremat_registers_its_layers_whichever_of_keras_and_tfremat_comes_first(first):
+    second = {"keras": "tfremat", "tfremat": "keras"}[first]
+    script = textwrap.dedent(f"""
+        import {first}
+        import {second}
+        names = ["tfremat>RecomputeSegment", "tfremat>UpdateUnit"]
+        print({{n: keras.saving.get_registered_object(n) is not None for n in names}})
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                            text=True, timeout=300)
+    assert result.stdout.strip().endswith(
+        "{'tfremat>RecomputeSegment': True, 'tfremat>UpdateUnit': True}"), result.stderr[-3000:]
 
 
 def test_a_plan_saved_where_other_models_were_built_applies_in_a_fresh_process(tmp_path):
