@@ -17,9 +17,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.backend import inter_op_threads
+from tfremat.backend import inter_op_threads, multi_worker
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment, check_count, warn
 from tfremat.graph import extract
+from tfremat.memory import require_measurable_scope
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
 from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model
@@ -100,14 +101,6 @@ def pinned(pin_order: bool | str) -> bool:
     if pin_order == "auto":
         return inter_op_threads() == 1 or multi_worker()
     return bool(pin_order)
-
-
-def multi_worker() -> bool:
-    """Whether the current `tf.distribute` scope spans several workers."""
-    if not tf.distribute.in_cross_replica_context():
-        return False
-    strategy = tf.distribute.get_strategy()
-    return strategy.num_replicas_in_sync != len(strategy.extended.worker_devices)
 
 
 def deprecated_strategy(strategy: str | None, objective: str) -> str:
@@ -220,6 +213,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             plus 5%, when no measured plan fits; also when the prediction says
             no plan fits, the plan of lowest predicted peak is measured first:
             returned if it fits after all, a minimum stated so if not.
+        RuntimeError: `measure` in the scope of a `tf.distribute` strategy with
+            several replicas, where a step cannot be measured.
 
     Example:
 
@@ -234,6 +229,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     if measure_time_limit is not None:
         measure_time_limit = check_positive(measure_time_limit, "measure_time_limit",
                                             "seconds")
+    if measure:
+        require_measurable_scope("tfremat.plan(measure=True)")
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     if planner in ("auto", "dqn"):

@@ -1,6 +1,7 @@
 """Checks that TensorFlow is installed and that Keras runs on it; names the
-device whose memory tfremat budgets, says whether its allocator can be read and
-how many operations TensorFlow's executor runs at once."""
+device whose memory tfremat budgets, says whether its allocator can be read,
+how many operations TensorFlow's executor runs at once and what `tf.distribute`
+scope is open."""
 
 from __future__ import annotations
 
@@ -116,3 +117,24 @@ def inter_op_threads() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # not on Linux
         return os.cpu_count() or 1
+
+
+def replicas_in_scope() -> int:
+    """Replicas of the `tf.distribute` strategy whose scope is open (1 outside
+    any scope)."""
+    require_tensorflow()
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def multi_worker() -> bool:
+    """Whether the open `tf.distribute` scope spans several workers
+    (`MultiWorkerMirroredStrategy` on more than one)."""
+    require_tensorflow()
+    import tensorflow as tf
+
+    if not tf.distribute.in_cross_replica_context():
+        return False
+    strategy = tf.distribute.get_strategy()
+    return strategy.num_replicas_in_sync != len(strategy.extended.worker_devices)

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.backend import NO_STATS_HINT, device_name, require_tensorflow
+from tfremat.backend import NO_STATS_HINT, device_name, replicas_in_scope, require_tensorflow
 from tfremat.core import UnsupportedModelError, interrupts_deferred
 from tfremat.graph import (TRACE_ERRORS, batch_specs, forgetting_custom_gradients,
                            require_built, stand_ins, step_function, target_candidates,
@@ -207,6 +207,23 @@ def _measure_traced(step: Any, concrete: Any, model: keras.Model, x: Any, y: Any
         values.restore()
 
 
+def require_measurable_scope(what: str = "tfremat.measure_peak") -> None:
+    """Raises RuntimeError inside the scope of a `tf.distribute` strategy with
+    several replicas: a measured step runs outside `strategy.run`, where the
+    strategy's distributed variables cannot be updated (TensorFlow's error
+    would be "DistributedVariable.handle is not available outside the replica
+    context")."""
+    replicas = replicas_in_scope()
+    if replicas > 1:
+        raise RuntimeError(
+            f"{what} runs training steps outside strategy.run, so it cannot measure "
+            f"inside the scope of a tf.distribute strategy with {replicas} replicas, "
+            "whose variables are distributed. Measure a model built outside the "
+            f"scope, with the per-replica batch (global batch // {replicas}); under "
+            "MultiWorkerMirroredStrategy plan by prediction (measure=False), as "
+            "examples/multi_worker.py does.")
+
+
 def measure_peak(model: keras.Model, *, batch_size: int | None = None,
                  sample: Any = None, repeats: int = 2,
                  return_details: bool = False) -> int | MeasuredPeak:
@@ -239,12 +256,15 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
         UnsupportedModelError: the model is not built; its step cannot be traced
             with any target shape tried; or its step would create variables or
             uses variables that could not be restored (then nothing ran).
+        RuntimeError: called in the scope of a `tf.distribute` strategy with
+            several replicas.
 
     Example:
 
     >>> tfremat.measure_peak(model, batch_size=32) / 2**20   # MiB
     """
     require_tensorflow()
+    require_measurable_scope()
     require_built(model, "measuring")
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)

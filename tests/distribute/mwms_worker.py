@@ -55,6 +55,11 @@ def main() -> None:
         budget_mb = 0.7 * tfremat.simulate(graph).peak_mb
         plan = tfremat.plan(model, budget_mb, graph=graph)
         rewritten = tfremat.rewrite(model, plan)
+        try:
+            tfremat.plan(model, budget_mb, graph=graph, measure=True)
+            measure_error = None
+        except RuntimeError as e:
+            measure_error = str(e)
     initial = [v.numpy() for v in model.weights]
 
     rng = np.random.default_rng(1)
@@ -117,6 +122,7 @@ def main() -> None:
             "predicted_mb": plan.estimates.peak_mb,
             "planned_peak_mb": planned_peak, "plain_peak_mb": plain_peak,
             "relative_error": error, "weights_moved": moved, "fit_error": fit_error,
+            "measure_error": measure_error,
             "recompute_layers": sum(isinstance(layer, tfremat.RecomputeSegment)
                                     for layer in rewritten.layers),
         }, f)

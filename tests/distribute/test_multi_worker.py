@@ -89,3 +89,9 @@ def test_a_planner_for_fit_says_to_use_a_custom_loop(workers):
     for w in workers:
         assert "does not run under MultiWorkerMirroredStrategy" in w["fit_error"]
         assert "examples/multi_worker.py" in w["fit_error"]
+
+
+def test_measuring_in_the_scope_says_to_plan_by_prediction(workers):
+    for w in workers:
+        assert "cannot measure inside the scope" in w["measure_error"], w
+        assert "measure=False" in w["measure_error"]

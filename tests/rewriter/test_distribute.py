@@ -77,3 +77,31 @@ def test_a_model_made_in_a_strategy_scope_is_planned_outside_it():
     plan = tfremat.plan(model, budget_mb=budget, graph=graph)
     assert plan.segments and plan.estimates.peak_mb <= budget
     assert not model.optimizer.built
+
+
+def test_measuring_in_a_strategy_scope_is_a_clear_error_and_outside_it_works():
+    """A measured step runs outside `strategy.run`; in the scope TensorFlow's
+    own error would be "DistributedVariable.handle is not available outside
+    the replica context"."""
+    import keras
+    import numpy as np
+    import pytest
+    import tensorflow as tf
+
+    import tfremat
+    from tests.rewriter import rewrite_helpers as h
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = h.residual_cnn()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    before = [v.numpy() for v in model.weights]
+    says = "cannot measure inside the scope of a tf.distribute strategy with 2 replicas"
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match=says):
+            tfremat.measure_peak(model, batch_size=8)
+        with pytest.raises(RuntimeError, match=r"tfremat.plan\(measure=True\) runs"):
+            tfremat.plan(model, budget_mb=1000, batch_size=8, measure=True)
+    for a, b in zip(before, [v.numpy() for v in model.weights]):
+        np.testing.assert_array_equal(a, b)
+    assert tfremat.measure_peak(model, batch_size=8) > 0
