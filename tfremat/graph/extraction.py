@@ -209,8 +209,21 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
             if found is not None:
                 owner[i] = found
                 break
-    # Unattributed backward ops (AddN of fan-out gradients, ...) belong to the
-    # next attributed one: the gradient they prepare is consumed there.
+    # An unattributed backward op that makes a weight's gradient (only ops after
+    # the backward pass read it) from parts one node made belongs to that node:
+    # the AddN summing the gradients of a layer called once per step inside the
+    # node (Keras's `TimeDistributed`) runs as soon as the node's last part
+    # exists, though traced at the end of the backward pass.
+    for i in range(traced.backward_start, traced.backward_end):
+        if owner[i] is None and all(
+                c >= traced.backward_end for j in range(len(flow.ops[i].outputs))
+                for c in flow.readers[flow.root[(i, j)]]):
+            made_by = {owner[k] for k in (flow.index[t.op.name] for t in traced.ops[i].inputs)
+                       if traced.backward_start <= k < i}
+            if len(made_by) == 1 and None not in made_by:
+                owner[i] = made_by.pop()
+    # The others (AddN of fan-out gradients, ...) belong to the next attributed
+    # one: the gradient they prepare is consumed there.
     following: str = LOSS
     for i in range(traced.backward_end - 1, traced.backward_start - 1, -1):
         if owner[i] is None:
@@ -344,6 +357,37 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     return peak
 
 
+def _ready_first(positions: list[int], flow: _Dataflow) -> list[int]:
+    """`positions` (op indices, sorted) in the order an executor that runs each
+    op as soon as its inputs exist may run them: first-in, first-out by the
+    time they become ready, ties in the traced order.
+
+    Ops that do not depend on one another run before the ops that gather them:
+    Keras's `TimeDistributed` slices its input per step, and the backward pass
+    makes one whole-input-sized `StridedSliceGrad` per step, which the
+    executor runs before the `AddN`s that sum them (measured: 3 x
+    TimeDistributed(Dense(512)) over 100 steps, batch 32, 770 MiB against 207
+    predicted in the traced order).
+    """
+    inside = set(positions)
+    waiting = {p: {flow.root_of(t)[0] for t in flow.ops[p].inputs} & inside - {p}
+               for p in positions}
+    users: dict[int, list[int]] = collections.defaultdict(list)
+    for p, needs in waiting.items():
+        for q in needs:
+            users[q].append(p)
+    queue = collections.deque(p for p in positions if not waiting[p])
+    order = []
+    while queue:
+        p = queue.popleft()
+        order.append(p)
+        for u in sorted(users[p]):
+            waiting[u].discard(p)
+            if not waiting[u]:
+                queue.append(u)
+    return order if len(order) == len(positions) else positions
+
+
 def _written_in_place(positions: list[int], flow: _Dataflow) -> dict[_Root, _Root]:
     """For each buffer made at `positions` (op indices, sorted), the buffer it
     is written into: its own, or the buffer of an input of the same size that
@@ -471,9 +515,10 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             c in bwd for c in flow.readers[r])}
         forward_ws = _peak_of_temporaries(
             fwd_pos, flow, lambda r: r not in out_roots and r not in saved_roots)
-        backward_ws = _peak_of_temporaries(
-            bwd_pos, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
+        backward_ws = max(_peak_of_temporaries(
+            order, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
             carried=overlapping.get(site.id, 0))
+            for order in (bwd_pos, _ready_first(bwd_pos, flow)))
         weights = getattr(site.operation, "trainable_weights", [])
         param_bytes = 0
         if site.layer_key not in params_seen:
