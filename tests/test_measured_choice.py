@@ -430,6 +430,7 @@ def test_a_refused_budget_states_the_peak_without_a_plan_when_that_measures_lowe
         api.measured_floor(None, predicted.value, make, unplanned=bare_for(graph))
     assert caught.value.min_budget_bytes == math.ceil(
         int(budget * 1.1) * (1 + api.MEASURED_SPREAD))
+    assert "no plan lowers this model's peak at this batch size" in str(caught.value)
     # The lowest plan, plans near it, no plan; then the one that measured lowest
     # (no plan) again, for the minimum stated.
     *tried, again = FakeInstallation.measured

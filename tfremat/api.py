@@ -479,9 +479,13 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str,
                if stopped is None else
                f"plus {MEASURED_SPREAD:.0%}; measuring stopped at its time limit of "
                f"{stopped:g} s (measure_time_limit), before every plan was tried")
+        lowest = ("the step without recomputation or offload, which measured below "
+                  "every plan: no plan lowers this model's peak at this batch size"
+                  if not (chosen.segments or chosen.offloaded) else
+                  "the plan that measured lowest")
         error = BudgetError(
             budget, math.ceil(measured * (1 + MEASURED_SPREAD)), planner,
-            f"The minimum is the plan that measured lowest, {how}. "
+            f"The minimum is {lowest}, {how}. "
             f"{len(trials)} measurement(s):\n"
             + "\n".join("  " + trial_text(r, "-> measured") for r in record),
             measured=True)

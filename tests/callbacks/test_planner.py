@@ -146,6 +146,15 @@ def test_budget_below_minimum_states_it(budget_mb):
     model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+def test_an_unmeasured_minimum_says_how_the_planner_measures():
+    x, y = data(1)
+    with pytest.raises(tfremat.BudgetError, match="not measured") as err:
+        make_model().fit(x, y, batch_size=BATCH, verbose=0,
+                         callbacks=[tfremat.Planner(1.0, measure=False)])
+    assert "Planner(..., measure=True) measures plans on the device" in str(err.value)
+    assert "tfremat.plan(" not in str(err.value)
+
+
 def test_budget_that_fits_needs_no_rewrite(capsys):
     x, y = data(2)
     model = make_model()

@@ -462,6 +462,9 @@ class Planner(keras.callbacks.Callback):
             return plan(False)
         except BudgetError as e:
             if e.measured_plan is None:
+                if not self.measure:  # the message's hint names the API's switch
+                    e.args = (str(e).replace(BudgetError.MEASURE_HINT, "Planner(..., "
+                                             "measure=True) measures plans on the device"),)
                 raise
             # The prediction fits but no plan measured within the budget: train
             # with the lowest, and say so (and do not re-plan: see `_over_budget`).
