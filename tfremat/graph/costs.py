@@ -49,9 +49,6 @@ FORWARDING_OPS = {
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 
-# Cross-replica all-reduces of gradients (one per pack of concatenated gradients).
-ALL_REDUCE_OPS = frozenset({"CollectiveReduce", "CollectiveReduceV2", "NcclAllReduce"})
-
 # Sums of a loop body into a loop variable (a gradient loop's weight gradients).
 _SUMS = frozenset({"AddN", "AddV2", "Add"})
 

@@ -370,7 +370,7 @@ def _ready_first(positions: list[int], flow: _Dataflow) -> list[int]:
     predicted in the traced order).
     """
     inside = set(positions)
-    waiting = {p: {flow.root_of(t)[0] for t in flow.ops[p].inputs} & inside - {p}
+    waiting = {p: {flow.index[t.op.name] for t in flow.ops[p].inputs} & inside - {p}
                for p in positions}
     users: dict[int, list[int]] = collections.defaultdict(list)
     for p, needs in waiting.items():
