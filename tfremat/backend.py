@@ -121,10 +121,12 @@ def inter_op_threads() -> int:
 
 def replicas_in_scope() -> int:
     """Replicas of the `tf.distribute` strategy whose scope is open (1 outside
-    any scope)."""
+    any scope, and inside one replica's function)."""
     require_tensorflow()
     import tensorflow as tf
 
+    if not tf.distribute.in_cross_replica_context():
+        return 1
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 

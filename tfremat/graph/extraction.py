@@ -218,7 +218,7 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
         if owner[i] is None and all(
                 c >= traced.backward_end for j in range(len(flow.ops[i].outputs))
                 for c in flow.readers[flow.root[(i, j)]]):
-            made_by = {owner[k] for k in (flow.index[t.op.name] for t in traced.ops[i].inputs)
+            made_by = {owner[k] for k in (flow.index[t.op.name] for t in flow.ops[i].inputs)
                        if traced.backward_start <= k < i}
             if len(made_by) == 1 and None not in made_by:
                 owner[i] = made_by.pop()

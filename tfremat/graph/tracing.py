@@ -21,6 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfremat.backend import replicas_in_scope
 from tfremat.core import UnsupportedModelError, check_count, warn
 from tfremat.graph import costs
 from tfremat.graph.keras_graph import CallSite, is_subclassed, walk_with_outputs
@@ -464,8 +465,7 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
                 continue
             sites_by_op.setdefault(id(s.operation), []).append(s.id)
             ops_of[id(s.operation)] = s.operation
-    replicas = (tf.distribute.get_strategy().num_replicas_in_sync
-                if tf.distribute.in_cross_replica_context() else 1)
+    replicas = replicas_in_scope()
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
     errors: list[Exception] = []
     unbuilt = unbuilt_layers(model)
