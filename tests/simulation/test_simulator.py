@@ -91,6 +91,30 @@ def test_buffers_are_counted_in_the_allocators_chunks():
     assert simulate(asked_for(g)).peak_bytes == int(3.5 * MB)
 
 
+def saving_graph(pieces: int) -> PlanGraph:
+    """An input of 1 MiB and a call that keeps 2.5 MiB for its backward pass in
+    `pieces` buffers (a loop's per-iteration tensors) beside a 0.25 MiB output."""
+    return PlanGraph([
+        Node("in", "in", "InputLayer", [], [t(1)]),
+        Node("rnn", "rnn", "LSTM", ["in:0"], [t(0.25)], backward_reads=["in:0"],
+             internal_saved_bytes=int(2.5 * MB), internal_saved_pieces=pieces,
+             param_bytes=MB // 4),
+    ], outputs=["rnn:0"], persistent_bytes={"weights": MB // 4})
+
+
+def test_a_buffer_held_in_pieces_fills_regions_chunk_by_chunk():
+    # The weights and the output take 0.5 MiB of the first region (2 MiB). As
+    # one buffer, 2.5 MiB takes a new region of 4 MiB whole (under twice the
+    # request: not split). As 40 pieces of 64 KiB, the first ones fill the
+    # first region's free 1.5 MiB and the rest split the next region: the
+    # chunks hold what the pieces ask for.
+    one, forty = (simulate(saving_graph(n)).timeline[1][1] for n in (1, 40))
+    assert one == int(4.5 * MB)
+    assert forty == int(3.0 * MB)
+    assert simulate(asked_for(saving_graph(1))).peak_bytes == \
+        simulate(asked_for(saving_graph(40))).peak_bytes
+
+
 def test_an_unknown_allocator_is_an_error():
     g = dataclasses.replace(chain(2), metadata={"allocator": "tcmalloc"})
     with pytest.raises(ValueError, match="Unknown allocator 'tcmalloc'"):

@@ -81,6 +81,11 @@ class Node:
             backward pass of this call reads, so they stay alive until it runs.
         internal_saved_bytes: Bytes of tensors made inside the call, other than its
             outputs, that its backward pass keeps (e.g. BatchNorm's normalised value).
+        internal_saved_pieces: How many buffers hold `internal_saved_bytes`, taken
+            as equal: 1 for a call's intermediates, which the simulator's allocator
+            holds in one chunk, an approximation; a loop's saved per-iteration
+            tensors add one buffer for each iteration (an LSTM over 64 steps
+            keeps 9 TensorLists of 64 small tensors each).
         forward_workspace_bytes: Peak transient memory of the call's forward ops
             beyond its outputs and saved tensors.
         backward_workspace_bytes: Peak transient memory of its backward ops beyond
@@ -118,6 +123,7 @@ class Node:
     outputs: list[TensorInfo]
     backward_reads: list[str] = dataclasses.field(default_factory=list)
     internal_saved_bytes: int = 0
+    internal_saved_pieces: int = 1
     forward_workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
     param_bytes: int = 0

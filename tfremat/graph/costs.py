@@ -88,6 +88,15 @@ def output_bytes(op: tf.Operation, j: int) -> int:
     return tensor_bytes(out)
 
 
+def output_buffers(op: tf.Operation, j: int) -> int:
+    """How many buffers output `j` of `op` is held in: one for each element a
+    loop's TensorList output gathers (each iteration's tensor is a buffer of
+    its own), one otherwise."""
+    if op.type in WHILE_OPS and op.outputs[j].dtype == tf.variant and _list_bytes(op, j):
+        return loop_iterations(op)
+    return 1
+
+
 def loop_iterations(op: tf.Operation) -> int:
     """Iterations of a `While` op: its static `maximum_iterations`, else the
     length of the TensorLists it reads (a scan over a sequence; the gradient

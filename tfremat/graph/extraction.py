@@ -455,6 +455,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
 
     backward_reads: dict[str, list[str]] = collections.defaultdict(list)
     internal_saved: dict[str, int] = collections.Counter()
+    saved_buffers: dict[str, int] = collections.Counter()
     for r, nbytes in flow.size.items():
         v = owner[r[0]]
         if v in _NOT_CALLS or r[0] >= traced.backward_start:
@@ -466,6 +467,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         ref = out_ref.get(r)
         if ref is None:
             internal_saved[v] += nbytes
+            saved_buffers[v] += costs.output_buffers(ops[r[0]], r[1]) if nbytes else 0
         else:
             for w in bwd_readers:
                 backward_reads[w].append(ref)
@@ -535,6 +537,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             inputs=inputs, outputs=outputs,
             backward_reads=sorted(set(backward_reads.get(site.id, []))),
             internal_saved_bytes=int(internal_saved.get(site.id, 0)),
+            internal_saved_pieces=max(1, saved_buffers.get(site.id, 0)),
             forward_workspace_bytes=forward_ws, backward_workspace_bytes=backward_ws,
             param_bytes=param_bytes,
             flops_forward=sum(costs.op_flops(ops[i]) for i in fwd_pos),

@@ -80,6 +80,8 @@ class Schedule:
         seconds: Compute time of each step (`transfers.node_seconds`); the loss
             and the optimizer update count 0.
         transient: Transient workspace bytes of each step.
+        pieces: Buffers held in several equal allocations, and how many
+            (`Node.internal_saved_pieces`); the others are one allocation.
         loss_step: Index of the loss step: steps after it are the backward pass.
         backward_step: Map from node id to the index of its backward step.
         recompute_seconds: Compute time of the recomputed forward calls.
@@ -101,6 +103,7 @@ class Schedule:
         self.transient: list[int] = []
         self.alloc_step: dict[Key, int] = {}
         self.size: dict[Key, int] = {}
+        self.pieces: dict[Key, int] = {}
         self.last_use: dict[Key, int] = {}
         self.forward_last_use: dict[Key, int] = {}
         self.backward_first_use: dict[Key, int] = {}
@@ -236,6 +239,8 @@ class Schedule:
         if record and node.internal_saved_bytes:
             key = (node.id + "#saved", ctx.uid)
             self._alloc(key, node.internal_saved_bytes, step)
+            if node.internal_saved_pieces > 1:
+                self.pieces[key] = node.internal_saved_pieces
             ctx.saved[node.id] = key
         if node.inplace and inputs and node.outputs and not (same and same[0] is not None):
             self.inplace.append((step, (node.output_ref(0), ctx.uid), inputs[0]))

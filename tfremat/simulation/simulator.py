@@ -318,7 +318,8 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     Buffers are freed after their last reader and their memory reused by the
     allocator's rules (`allocator.py`): each step allocates what it makes and
     frees what it read last; an output written in place takes over its input's
-    chunk. The step's workspace counts on top as it is: extraction measures it
+    chunk; a buffer held in pieces (a loop's saved per-iteration tensors) takes
+    a chunk for each. The step's workspace counts on top as it is: extraction measures it
     as allocator bytes, chunks included. The persistent bytes come first, each
     layer's weights in a chunk of their own, after a region of twice the
     persistent bytes was taken and given back (a model's initializers peak near
@@ -347,21 +348,24 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
         done[min(last, n - 1)].append(key)
     takes_over = {out_key: in_key for _, out_key, in_key in shares
                   if buffers[out_key][2] <= buffers[in_key][2]}
-    chunk: dict[Any, int] = {}
+    chunks: dict[Any, list[int]] = {}
     handed_on: set[Any] = set()
     out = []
     for i in range(n):
         for key in made[i]:
             source = takes_over.get(key)
-            if source in chunk and source not in handed_on:
-                chunk[key] = chunk[source]
+            if source in chunks and source not in handed_on:
+                chunks[key] = chunks[source]
                 handed_on.add(source)
             else:
-                chunk[key] = bfc.allocate(buffers[key][2])
+                nbytes, pieces = buffers[key][2], schedule.pieces.get(key, 1)
+                chunks[key] = [bfc.allocate(nbytes * (k + 1) // pieces - nbytes * k // pieces)
+                               for k in range(pieces)]
         out.append(bfc.in_use_bytes + schedule.transient[i])
         for key in done[i]:
             if key not in handed_on:
-                bfc.free(chunk.pop(key))
+                for address in chunks.pop(key):
+                    bfc.free(address)
     return out
 
 
