@@ -323,13 +323,21 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     kernels hold scratch at once.
 
     An elementwise op whose temporary input dies at it writes into that input's
-    buffer, as TensorFlow's kernels do when they own the only reference.
+    buffer, as TensorFlow's kernels do when they own the only reference. So
+    does one whose input made before `positions` (a tensor the forward pass
+    saved for this backward pass) dies at it: that buffer is counted where it
+    was made, and the op's output costs nothing here, nor do the outputs
+    written into it in turn. (GELU's backward multiplies the incoming gradient
+    by the saved `erfc` term: counted as a new buffer, a GPT-style block's MLP
+    was predicted with 6 MiB of backward workspace where it holds 2.)
     """
     if not positions:
         return 0
     local = {p: k for k, p in enumerate(positions)}
     delta = [0] * (len(positions) + 1)
     last: dict[_Root, int] = {}
+    first = min(positions)
+    outside: set[_Root] = set()
     kernels = [(start, end, flow.scratch[p])
                for p, (start, end) in _scratch_spans(positions, local, flow).items()]
     if carried:
@@ -345,9 +353,15 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                 continue
             last[r] = max((local[c] for c in flow.readers[r] if c in local), default=local[p])
             nbytes = flow.size[r]
-            reused = op.type in costs.ELEMENTWISE_OPS and any(
-                last.get(src) == local[p] and flow.size[src] == nbytes
-                for src in (flow.root_of(t) for t in op.inputs))
+            sources = [flow.root_of(t) for t in op.inputs] if op.type in costs.ELEMENTWISE_OPS else []
+            if any(flow.size.get(src) == nbytes and (src in outside or src[0] < first)
+                   and all(local[c] <= local[p] if c in local else c < first
+                           for c in flow.readers[src])
+                   for src in sources):
+                outside.add(r)  # written into a buffer counted elsewhere
+                continue
+            reused = any(last.get(src) == local[p] and flow.size[src] == nbytes
+                         for src in sources)
             delta[local[p] + (1 if reused else 0)] += nbytes
             delta[last[r] + 1] -= nbytes
     peak = live = 0
