@@ -257,3 +257,15 @@ def test_time_distributed_holds_a_whole_input_gradient_and_a_kernel_partial_per_
     assert peaks["backward_workspace"] >= steps * (whole_input + kernel)
     for measured in peaks["measured"]:
         assert 0.9 * peaks["predicted"] <= measured <= 1.1 * peaks["predicted"], peaks
+
+
+def test_a_gelu_backward_writes_into_the_tensors_its_forward_saved():
+    """GELU's backward multiplies the incoming gradient by tensors the forward
+    pass saved (`erfc`, `x / 2`), each read there for the last time: the
+    kernels write into those buffers, which are counted as saved. Counted as
+    new buffers, the backward workspace was three outputs' worth."""
+    inp = keras.Input((64, 64))
+    model = keras.Model(inp, keras.layers.Dense(256, activation="gelu", name="mlp")(inp))
+    node = extracted(model).node("mlp")
+    assert node.internal_saved_bytes >= 2 * node.output_bytes
+    assert node.backward_workspace_bytes <= 1.1 * node.output_bytes
