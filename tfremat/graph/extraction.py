@@ -353,7 +353,8 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                 continue
             last[r] = max((local[c] for c in flow.readers[r] if c in local), default=local[p])
             nbytes = flow.size[r]
-            sources = [flow.root_of(t) for t in op.inputs] if op.type in costs.ELEMENTWISE_OPS else []
+            sources = ([flow.root_of(t) for t in op.inputs]
+                       if op.type in costs.ELEMENTWISE_OPS else [])
             if any(flow.size.get(src) == nbytes and (src in outside or src[0] < first)
                    and all(local[c] <= local[p] if c in local else c < first
                            for c in flow.readers[src])

@@ -319,8 +319,8 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     allocator's rules (`allocator.py`): each step allocates what it makes and
     frees what it read last; an output written in place takes over its input's
     chunk; a buffer held in pieces (a loop's saved per-iteration tensors) takes
-    a chunk for each. The step's workspace counts on top as it is: extraction measures it
-    as allocator bytes, chunks included. The persistent bytes come first, each
+    a chunk for each. The step's workspace counts on top as it is: extraction
+    measures it as allocator bytes, chunks included. The persistent bytes come first, each
     layer's weights in a chunk of their own, after a region of twice the
     persistent bytes was taken and given back (a model's initializers peak near
     twice its weights: building VGG19 peaked at 402 MiB for 213 MiB of weights,
