@@ -1,12 +1,17 @@
 """The recompute waits for the incoming gradient: with gradients that are not
 finite, from integer or boolean inputs, and after Grappler."""
 
+import gc
+import weakref
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.grappler import tf_optimizer
 
+from tfremat.graph import forgetting_custom_gradients
 from tfremat.rewriter import exact_recompute
 from tfremat.rewriter.recompute_grad import keep_grad, recompute_grad
 
@@ -172,3 +177,36 @@ def test_a_kept_unit_with_a_loop_holds_no_copy_of_its_weights_per_iteration():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
         assert float(tf.norm(b)) > 0
     assert kept_mib < plain_mib + 64, (kept_mib, plain_mib)  # 256 MiB more with the copies
+
+
+@pytest.mark.parametrize("wrap,jit", [("recompute", False), ("recompute", True),
+                                      ("keep", True)])
+def test_a_traced_step_whose_unit_begins_with_an_addition_is_released(wrap, jit):
+    """A tape in a graph asked for the gradients of `a` and `b` in `a + b`
+    returns one tensor for both and keeps two references to it for good,
+    and with them the whole traced step: measuring such a plan left the step
+    and the stand-in optimizer's slots on the device (19 MiB per measurement
+    of a MobileNetV2). The custom gradients' registrations, which hold the
+    graph too, are dropped as `tfremat.measure_peak` drops them."""
+    dense = keras.layers.Dense(4)
+    dense.build((2, 4))
+
+    def unit(a, b):
+        return dense(a + b)
+
+    wrapped = recompute_grad(unit) if wrap == "recompute" else \
+        keep_grad(unit, lambda gi, v, gv: (gi, gv))
+
+    def step(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            out = wrapped(a, b)
+        return tape.gradient(out, [a, b, *dense.trainable_variables])
+
+    spec = tf.TensorSpec((2, 4))
+    function = tf.function(step, jit_compile=jit)
+    with forgetting_custom_gradients():
+        graph = weakref.ref(function.get_concrete_function(spec, spec).graph)
+    del function
+    gc.collect()
+    assert graph() is None
