@@ -192,8 +192,9 @@ class Planner(keras.callbacks.Callback):
         self.update_in_backward = update_in_backward
         self.pin_order = pin_order
         self.device = device_name()
-        # The plan the last completed fit ended with, and what its step was.
-        self._last: tuple[tuple, Plan] | None = None
+        # What the last completed fit's step was, the plan it ended with and,
+        # when that fit found out, why no re-plan lowers that plan.
+        self._last: tuple[tuple, Plan, str | None] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -217,6 +218,7 @@ class Planner(keras.callbacks.Callback):
         self._step_peak_mb = 0.0  # the peak of the last train function run
         self._sample: Any = None  # one device's share of the first batch, for measuring
         self._lowest_measured: Plan | None = None  # the best effort of a measured BudgetError
+        self._settled: str | None = None  # why no re-plan lowers the plan in use
         self._summary_writer: Any = None  # a TensorBoard callback's train run
         self._sharing = 1  # replicas whose steps the measured allocator holds
         self._step_key: tuple | None = None  # what this fit's plan depends on
@@ -328,7 +330,9 @@ class Planner(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.plan is not None and self._step_key is not None:
-            self._last = (self._step_key, self.plan)
+            settled = ("it measured lowest of the plans tried when planning"
+                       if self.plan is self._lowest_measured else self._settled)
+            self._last = (self._step_key, self.plan, settled)
         self._restore()
 
     def _restore(self) -> None:
@@ -423,7 +427,7 @@ class Planner(keras.callbacks.Callback):
                               self.objective, self.offload, self.update_in_backward,
                               self.pin_order)
             if self._last is not None and self._last[0] == self._step_key:
-                plan = self._last[1]
+                _, plan, self._settled = self._last
             else:
                 plan = self._plan(self.budget_mb, sample=sample)
         self._install(plan)
@@ -610,6 +614,13 @@ class Planner(keras.callbacks.Callback):
                   f"{self._sharing} replicas)")
         over = (f"the measured peak {peak_mb:.{d}f} MiB on {self.device} exceeds the "
                 f"budget of {budget}")
+        if self._settled is not None and self.plan is not None:
+            # Found out by the last fit with this callback, on the same step.
+            self._measuring = False
+            warn(f"tfremat: {over}; the last fit with this callback found no lower "
+                 f"plan for this step ({self._settled}): training goes on with it. "
+                 "Lower the batch size or raise the budget.", RuntimeWarning)
+            return
         if self.plan is not None and self.plan is self._lowest_measured:
             # Planning again would measure the same candidates (a lower target
             # ends in the same lowest plans): a small CNN's fit took 86 s, not 35.
@@ -652,6 +663,7 @@ class Planner(keras.callbacks.Callback):
                 "step measured above the plan's estimate is out of its reach): "))
         if _same_rewrite(plan, self.plan):
             self._measuring = False
+            self._settled = "it is the lowest the planner reaches"
             warn(
                 f"tfremat: {over}, and the plan in use is already the "
                 "lowest the planner reaches: training goes on with it. Lower the batch "
@@ -662,6 +674,7 @@ class Planner(keras.callbacks.Callback):
             # the plan in use (a measured last resort) can be lower than any plan
             # made for it, and one that recomputes less would be a step back.
             self._measuring = False
+            self._settled = "no plan made for the lowest predicted peak is lower"
             warn(
                 f"tfremat: {over}. The lowest peak the planner predicts is "
                 f"{floor_mb:.1f} MiB, and the plan made for it is no lower than the plan "
