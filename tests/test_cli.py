@@ -46,6 +46,21 @@ def test_plan_writes_the_memory_timeline(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_without_graphviz_the_picture_warning_is_its_message_alone(tmp_path, monkeypatch,
+                                                                    capsys):
+    """A warning is attributed to the user's line; run from the console script,
+    that line was `sys.exit(main())`, printed under the message."""
+    path = tiny_model_file(tmp_path, compiled=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `dot`
+    assert cli.main(["plan", path, "--budget-mb", "1000", "--batch-size", "4",
+                     "--export", str(tmp_path / "plan.png")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    said = [line for line in err if line.startswith("tfremat: wrote ")]
+    assert said and "needs Graphviz's `dot` program" in said[0], err
+    assert not any("Warning" in line or "main(" in line for line in err), err
+    assert (tmp_path / "plan.dot").exists()
+
+
 def test_plan_measure_measures_the_plans_it_chooses_from(tmp_path, capsys):
     path = tiny_model_file(tmp_path)
     assert cli.main(["plan", path, "--budget-mb", "1000", "--batch-size", "4",

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -233,6 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plainly(show: Callable[..., None]) -> Callable[..., None]:
+    """`warnings.showwarning` printing tfremat's warnings as the messages they
+    are (attributed to the user's line, they would name this console script's
+    `sys.exit(main())`), and others with `show`."""
+
+    def shown(message: Warning | str, category: type[Warning], filename: str,
+              lineno: int, file: Any = None, line: str | None = None) -> None:
+        if str(message).startswith("tfremat:"):
+            print(message, file=sys.stderr if file is None else file)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return shown
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tfremat` console script."""
     parser = build_parser()
@@ -240,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tfremat.core import BudgetError, TfrematError
 
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _plainly(warnings.showwarning)
+            return args.func(args)
     except (TfrematError, ValueError) as e:
         batch = (f" (at batch size {args.batch_size}: --batch-size)"
                  if isinstance(e, BudgetError) and args.command != "demo" else "")
