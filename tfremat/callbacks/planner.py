@@ -64,7 +64,9 @@ class Planner(keras.callbacks.Callback):
     plan depends on changed (the layers, shapes, trainable weights, optimizer
     settings other than the learning rate, `jit_compile`, this callback's
     budget and planning settings), it trains with the plan the last fit ended
-    with, re-planned or not, without measuring candidates again.
+    with, re-planned or not, without measuring candidates again; and when that
+    fit found no lower plan for the budget, a step over it is not re-planned
+    again but warned about once.
 
     With `plot="memory.png"` it draws the predicted device memory over one step,
     without and with the plan, the budget and the measured epoch peaks
