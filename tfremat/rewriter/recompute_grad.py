@@ -99,7 +99,8 @@ def _apart(args: list[tf.Tensor]) -> list[tf.Tensor]:
     traced step: measuring a plan then left the step and the stand-in
     optimizer's slots on the device (19 MiB per measurement of a MobileNetV2).
     The gradient of a reshape is a tensor of its own; the reshape itself
-    copies nothing, and Grappler and XLA remove it.
+    copies nothing (its output shares its input's buffer; under XLA it is a
+    bitcast).
     """
     if tf.executing_eagerly():
         return args
