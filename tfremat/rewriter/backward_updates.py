@@ -37,7 +37,7 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-from tfremat.core import Plan, PlanGraph, warn
+from tfremat.core import Plan, PlanGraph, interrupts_deferred, warn
 from tfremat.graph import is_subclassed
 from tfremat.simulation import simulate
 
@@ -300,8 +300,14 @@ class BackwardUpdates:
         if not optimizer.built:
             # Keras builds it in its first `apply`, on the first trace of the
             # train step, with the model's trainable variables: this unit's
-            # update comes first, so it builds it here, as `apply` would.
-            with keras.name_scope(optimizer.name, caller=optimizer):
+            # update comes first, so it builds it here, as `apply` would, but
+            # eagerly: variables made in a trace are initialised at its first
+            # run, so a trace stopped by Ctrl-C or an error would leave the
+            # slots uninitialised for every later fit. Ctrl-C waits for the
+            # build to finish (halfway, the optimizer is marked built without
+            # all its slots).
+            with interrupts_deferred(), tf.init_scope(), \
+                    keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(self.model.trainable_variables)
         # The tf.Variable under each Keras variable (`value` may be an autocast).
         # With EMA, `apply` averages a weight before its constraint applies: a
