@@ -38,6 +38,7 @@ from planners import MIB, MODELS, RESULTS, build_model, model_names, plan_at, \
 
 def save(directory: str, names: list[str]) -> None:
     """Saves each model's graph and the plans of its measured rows."""
+    from tfremat.core import BudgetError
     from tfremat.graph import extract
 
     with open(os.path.join(RESULTS, "planners.json")) as f:
@@ -54,8 +55,13 @@ def save(directory: str, names: list[str]) -> None:
         for i, row in enumerate(record["rows"]):
             if "measured_mib" not in row:
                 continue
-            plan = (plan_at_minimum(graph, row["planner"]) if row["budget"] == "min" else
-                    plan_at(graph, row["planner"], round(record["sqrt_budget_mib"] * MIB)))
+            try:
+                plan = (plan_at_minimum(graph, row["planner"]) if row["budget"] == "min" else
+                        plan_at(graph, row["planner"], round(record["sqrt_budget_mib"] * MIB)))
+            except BudgetError as e:  # the graph extracted now predicts more than then
+                print(f"{record['model']} {row['planner']} @ {row['budget']}: not saved, {e}",
+                      flush=True)
+                continue
             plan.to_json(os.path.join(here, f"plan{i}.json"))
             rows.append({"plan": f"plan{i}.json", "planner": row["planner"],
                          "budget": row["budget"], "measured_mib": row["measured_mib"]})
