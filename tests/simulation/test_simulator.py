@@ -91,6 +91,27 @@ def test_buffers_are_counted_in_the_allocators_chunks():
     assert simulate(asked_for(g)).peak_bytes == int(3.5 * MB)
 
 
+def test_a_workspace_takes_a_free_chunk_before_the_steps_outputs():
+    # Before c runs, a's 4 MiB chunk and 1.5 MiB of the first region are free.
+    # c's 2.5 MiB of temporaries take the 4 MiB chunk whole (under twice the
+    # request), then c's 1 MiB output the 1.5 MiB one: 0.5 + 4 + 1.5 MiB of
+    # chunks. Counted on top of the outputs alone it would be 0.5 + 1.5 + 2.5.
+    g = outputs_chain(a=3, b=0.5, c=1)
+    g.nodes[-1].forward_workspace_bytes = int(2.5 * MB)
+    est = simulate(g)
+    assert est.peak_step == "fwd c" and est.peak_bytes == 6 * MB
+
+
+def test_a_workspace_no_free_chunk_holds_counts_as_measured():
+    # 5 MiB of temporaries fit in no free chunk. Extraction measured them as
+    # allocator bytes, chunks included, so they count as they are (0.5 + 1.5
+    # + 5 MiB), not in a new 8 MiB region taken whole.
+    g = outputs_chain(a=3, b=0.5, c=1)
+    g.nodes[-1].forward_workspace_bytes = 5 * MB
+    est = simulate(g)
+    assert est.peak_step == "fwd c" and est.peak_bytes == 7 * MB
+
+
 def saving_graph(pieces: int) -> PlanGraph:
     """An input of 1 MiB and a call that keeps 2.5 MiB for its backward pass in
     `pieces` buffers (a loop's per-iteration tensors) beside a 0.25 MiB output."""

@@ -71,6 +71,11 @@ class BFCAllocator:
         self.region_bytes = 0
         self.in_use_bytes = 0
 
+    @property
+    def largest_free_bytes(self) -> int:
+        """Bytes of the largest free chunk (0 when none is free)."""
+        return self._free[-1][0] if self._free else 0
+
     def allocate(self, nbytes: int) -> int:
         """Hands out a chunk for `nbytes`; returns its address."""
         need = rounded_bytes(nbytes)

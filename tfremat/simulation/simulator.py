@@ -319,9 +319,12 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     allocator's rules (`allocator.py`): each step allocates what it makes and
     frees what it read last; an output written in place takes over its input's
     chunk; a buffer held in pieces (a loop's saved per-iteration tensors) takes
-    a chunk for each. The step's workspace counts on top as it is: extraction
-    measures it as allocator bytes, chunks included. The persistent bytes come first, each
-    layer's weights in a chunk of their own, after a region of twice the
+    a chunk for each. The step's workspace takes a free chunk before the
+    step's outputs and gives it back after them: a layer's intermediate tensors
+    exist before its output, and where they sat decides where later buffers
+    fit. When no free chunk is large enough, it counts on top as extraction
+    measured it (allocator bytes, chunks included): a region taken for it here
+    would count its rounding twice. The persistent bytes come first, each layer's weights in a chunk of their own, after a region of twice the
     persistent bytes was taken and given back (a model's initializers peak near
     twice its weights: building VGG19 peaked at 402 MiB for 213 MiB of weights,
     which then sat in chunks of 218 MiB). One step is played: playing a second
@@ -352,6 +355,8 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     handed_on: set[Any] = set()
     out = []
     for i in range(n):
+        workspace = (bfc.allocate(schedule.transient[i])
+                     if 0 < schedule.transient[i] <= bfc.largest_free_bytes else None)
         for key in made[i]:
             source = takes_over.get(key)
             if source in chunks and source not in handed_on:
@@ -361,7 +366,11 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
                 nbytes, pieces = buffers[key][2], schedule.pieces.get(key, 1)
                 chunks[key] = [bfc.allocate(nbytes * (k + 1) // pieces - nbytes * k // pieces)
                                for k in range(pieces)]
-        out.append(bfc.in_use_bytes + schedule.transient[i])
+        if workspace is None:
+            out.append(bfc.in_use_bytes + schedule.transient[i])
+        else:
+            out.append(bfc.in_use_bytes)
+            bfc.free(workspace)
         for key in done[i]:
             if key not in handed_on:
                 for address in chunks.pop(key):
