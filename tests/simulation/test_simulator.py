@@ -102,7 +102,7 @@ def test_a_workspace_takes_a_free_chunk_before_the_steps_outputs():
     assert est.peak_step == "fwd c" and est.peak_bytes == 6 * MB
 
 
-def test_a_workspace_no_free_chunk_holds_counts_as_measured():
+def test_a_workspace_that_no_free_chunk_holds_counts_as_measured():
     # 5 MiB of temporaries fit in no free chunk. Extraction measured them as
     # allocator bytes, chunks included, so they count as they are (0.5 + 1.5
     # + 5 MiB), not in a new 8 MiB region taken whole.

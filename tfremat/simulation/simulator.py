@@ -324,7 +324,8 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     exist before its output, and where they sat decides where later buffers
     fit. When no free chunk is large enough, it counts on top as extraction
     measured it (allocator bytes, chunks included): a region taken for it here
-    would count its rounding twice. The persistent bytes come first, each layer's weights in a chunk of their own, after a region of twice the
+    would count its rounding twice. The persistent bytes come first, each
+    layer's weights in a chunk of their own, after a region of twice the
     persistent bytes was taken and given back (a model's initializers peak near
     twice its weights: building VGG19 peaked at 402 MiB for 213 MiB of weights,
     which then sat in chunks of 218 MiB). One step is played: playing a second
