@@ -240,11 +240,10 @@ def test_ctrl_c_while_the_first_update_builds_the_optimizer_leaves_it_whole(ctrl
     whole = OPTIMIZERS["adam"]()
     whole.build(model.trainable_variables)
     assert len(made) > 3 and len(optimizer.variables) == len(whole.variables)
-    # Keras's own part: its train function, interrupted in its first trace,
-    # must be made again (docs/limitations.md), as for a plain model.
-    rewritten.make_train_function(force=True)
-    rewritten.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    assert int(optimizer.iterations.numpy()) == 2
+    # Initialised (made in the trace, they would be so only at its first run,
+    # and reading them would fail), as a fresh build leaves them.
+    assert all(np.array_equal(v.numpy(), w.numpy())
+               for v, w in zip(optimizer.variables, whole.variables))
 
 
 def test_a_layer_called_twice_trains_as_plain_with_the_others_updated_in_backward():
