@@ -217,7 +217,8 @@ def test_a_rewritten_model_compiled_and_fit_as_usual_trains_as_plain():
 def test_ctrl_c_while_the_first_update_builds_the_optimizer_leaves_it_whole(ctrl_c_raises):
     """Ctrl-C while the first trace of the step builds the optimizer (the
     first update in the backward pass does it, `apply` not having run yet):
-    the build finishes before the interrupt lands, so the optimizer is whole."""
+    the build finishes, outside the trace, before the interrupt lands, so the
+    optimizer is whole and initialised."""
     keras.utils.set_random_seed(0)
     model = MODELS["cnn"]()
     rewritten = rewrite_model(model, updates_plan(model, segmented=False))
@@ -240,8 +241,8 @@ def test_ctrl_c_while_the_first_update_builds_the_optimizer_leaves_it_whole(ctrl
     whole = OPTIMIZERS["adam"]()
     whole.build(model.trainable_variables)
     assert len(made) > 3 and len(optimizer.variables) == len(whole.variables)
-    # Initialised (made in the trace, they would be so only at its first run,
-    # and reading them would fail), as a fresh build leaves them.
+    # Initialised as a fresh build leaves them (made in the trace, they would
+    # be initialised only at its first run, which the interrupt prevented).
     assert all(np.array_equal(v.numpy(), w.numpy())
                for v, w in zip(optimizer.variables, whole.variables))
 
