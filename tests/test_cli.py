@@ -7,6 +7,7 @@ import pytest
 
 import tfremat
 from tfremat import cli
+from tfremat.planners import PLANNERS
 
 
 def tiny_model_file(tmp_path, *, compiled: bool = True) -> str:
@@ -101,7 +102,18 @@ def test_a_budget_too_small_is_an_error_naming_the_batch_size(tmp_path, capsys):
 def test_help_gives_the_default_batch_size(capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--help"])
-    assert "(default: 16)" in capsys.readouterr().out.replace("\n", " ")
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: 16)" in shown
+    for name in PLANNERS:  # argparse may wrap a name at its hyphen
+        assert name in shown.replace("- ", "-")
+
+
+def test_an_unknown_planner_is_refused_with_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "resnet50", "--budget-mb", "100", "--planner", "chen"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'chen'" in err and "chen-sqrt" in err
 
 
 def test_classes_reach_the_keras_applications_model(monkeypatch, tmp_path, capsys):

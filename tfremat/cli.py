@@ -170,6 +170,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tfremat.planners import PLANNERS  # no TensorFlow: --help stays quick
+
     parser = argparse.ArgumentParser(
         prog="tfremat",
         description="Plan recomputation and offload so Keras training fits a memory budget.")
@@ -193,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch-size", type=int, default=16,
                     help="batch size of the step planned (default: 16)")
     _add_model_options(pl)
-    pl.add_argument("--planner", default="auto")
+    pl.add_argument("--planner", default="auto", choices=("auto", *PLANNERS),
+                    metavar="PLANNER",
+                    help="auto (the default: the cheapest plan that fits among several "
+                         "planners, docs/choosing-a-planner.md) or one of: "
+                         + ", ".join(PLANNERS))
     pl.add_argument("--objective", default="time", choices=("time", "memory"),
                     help="for the DP planners: least extra compute, or least memory")
     pl.add_argument("--strategy", dest="objective", choices=("time", "memory"),

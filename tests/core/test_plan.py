@@ -49,6 +49,18 @@ def test_a_hand_made_plan_has_no_estimates():
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_a_plan_shows_itself_in_one_line_whatever_its_size():
+    graph = G.chain(400)
+    plan = make_plan(graph, int(simulate(graph).peak_bytes * 0.5), "chen-sqrt")
+    shown = repr(plan)
+    assert "\n" not in shown and len(shown) < 200
+    recomputed = len(plan.recomputed_nodes())
+    assert f"segments={len(plan.segments)} ({recomputed} layer calls)" in shown
+    assert f"predicted_peak={plan.estimates.peak_mb:,.1f} MiB" in shown
+    assert "planner='chen-sqrt'" in shown and "budget=" in shown
+    assert "predicted_peak" not in repr(Plan.from_segments(graph, []))
+
+
 @pytest.mark.parametrize("text, message", [
     ("plan.jsn", "neither an existing file nor JSON text"),
     ("{not json", "not valid JSON"),

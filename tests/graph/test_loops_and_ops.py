@@ -259,6 +259,23 @@ def test_time_distributed_holds_a_whole_input_gradient_and_a_kernel_partial_per_
         assert 0.9 * peaks["predicted"] <= measured <= 1.1 * peaks["predicted"], peaks
 
 
+def test_a_budget_error_names_the_time_distributed_call_that_holds_the_floor():
+    inp = keras.Input((64, 8))
+    x = keras.layers.TimeDistributed(keras.layers.Dense(256, activation="relu"),
+                                     name="td_wide")(inp)
+    x = keras.layers.TimeDistributed(keras.layers.Dense(4), name="td_narrow")(x)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
+    model.compile("adam", "mse")
+    graph = tfremat.extract(model, batch_size=8)
+    with pytest.raises(tfremat.BudgetError) as info:
+        tfremat.plan(model, budget_mb=tfremat.simulate(graph).peak_bytes / 2**21,
+                     graph=graph)
+    text = str(info.value)
+    # td_narrow's backward holds one 64 x 8 x 256 input gradient per timestep.
+    assert "The backward pass of 'td_narrow' (TimeDistributed) alone needs" in text
+    assert "Dense and EinsumDense act on the last axis" in text
+
+
 def test_a_gelu_backward_writes_into_the_tensors_its_forward_saved():
     """GELU's backward multiplies the incoming gradient by tensors the forward
     pass saved (`erfc`, `x / 2`), each read there for the last time: the

@@ -92,6 +92,24 @@ def test_auto_budget_error_names_the_shared_layers_that_limit_it():
     assert "called more than once" not in str(plain.value)
 
 
+@pytest.mark.parametrize("planner", ["auto", "chen-sqrt", "approx-dp"])
+def test_a_budget_error_names_a_call_whose_workspace_no_plan_lowers(planner):
+    graph = G.chain(20, persistent_mib=3.0)
+    wide = graph.nodes[10]
+    wide.backward_workspace_bytes = 64 * MIB  # far above all activations
+    wide.class_name = "TimeDistributed"
+    with pytest.raises(BudgetError) as info:
+        make_plan(graph, min_feasible_budget(graph, planner) - 1, planner)
+    text = str(info.value)
+    assert f"The backward pass of {wide.id!r} (TimeDistributed) alone needs 64.0 MiB" in text
+    assert "Dense and EinsumDense act on the last axis" in text
+    assert f"keeps the {graph.total_persistent_bytes / MIB:,.1f} MiB of weights" in text
+    # Where no one call weighs that much, none is named.
+    with pytest.raises(BudgetError) as plain:
+        make_plan(G.chain(20), min_feasible_budget(G.chain(20), planner) - 1, planner)
+    assert "alone needs" not in str(plain.value)
+
+
 @pytest.mark.parametrize("planner", sorted(PLANNERS))
 def test_min_feasible_budget_is_tight(planner):
     graph = G.resnet_like(4)

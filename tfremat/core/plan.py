@@ -264,6 +264,22 @@ class Plan:
 
     # -- presentation ----------------------------------------------------
 
+    def __repr__(self) -> str:
+        """One line, as Keras objects show themselves (`summary()` has the rest)."""
+        parts = [f"planner={self.planner!r}"]
+        if self.budget_bytes is not None:
+            parts.append(f"budget={self.budget_bytes / MIB:,.1f} MiB")
+        if self.estimates is not None:
+            parts.append(f"predicted_peak={self.estimates.peak_mb:,.1f} MiB")
+            parts.append(f"overhead={self.estimates.overhead:+.0%}")
+        recomputed = len(self.recomputed_nodes())
+        parts.append(f"segments={len(self.segments)} ({recomputed} layer calls)")
+        parts.append(f"offloaded={len(self.offloaded)}")
+        parts.append(f"update_in_backward={self.update_in_backward}")
+        if self.pin_order:
+            parts.append("pin_order=True")
+        return f"<Plan {' '.join(parts)}>"
+
     def graph_or(self, graph: PlanGraph | None) -> PlanGraph:
         """`graph` when given, else the graph the plan carries.
 

@@ -101,17 +101,24 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
                          f"{sorted(PLANNERS)}.")
     # Plans made for the marked graph run their updates in the backward pass.
     marked = with_updates_in_backward(graph, update_in_backward)
-    if planner == "auto":
-        plan = _auto(marked, budget_bytes, objective, time_limit, verbose, offload, settings)
-    elif planner == "exact-dp":
-        plan = _exact_or_approx(marked, budget_bytes, objective, time_limit, verbose,
-                                settings)
-    else:
-        if planner == "approx-dp":
-            settings = {**settings, "objective": objective, "verbose": verbose}
-        if planner == "dqn":
-            settings = {**settings, "offload": offload}
-        plan = PLANNERS[planner](marked, budget_bytes, **settings)
+    try:
+        if planner == "auto":
+            plan = _auto(marked, budget_bytes, objective, time_limit, verbose, offload,
+                         settings)
+        elif planner == "exact-dp":
+            plan = _exact_or_approx(marked, budget_bytes, objective, time_limit, verbose,
+                                    settings)
+        else:
+            if planner == "approx-dp":
+                settings = {**settings, "objective": objective, "verbose": verbose}
+            if planner == "dqn":
+                settings = {**settings, "offload": offload}
+            plan = PLANNERS[planner](marked, budget_bytes, **settings)
+    except BudgetError as err:
+        detail = " ".join(t for t in (err.detail, _floor_note(graph, err.min_budget_bytes),
+                                      _shared_note(graph)) if t)
+        raise BudgetError(err.budget_bytes, err.min_budget_bytes, err.planner, detail,
+                          err.measured) from None
     plan.graph = graph  # for plan.summary() and plan.to_pydot()
     return plan
 
@@ -228,7 +235,34 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
                                 "offloading to host memory (on top of recomputation "
                                 "when cheaper) meets the budget.")
     raise BudgetError(budget_bytes, minimum, "auto",
-                      "Smallest peaks reached: " + "; ".join(tried) + "." + _shared_note(graph))
+                      "Smallest peaks reached: " + "; ".join(tried) + ".")
+
+
+#: A layer call whose own workspace is at least this fraction of the minimum
+#: budget is named in a `BudgetError`: no plan lowers it.
+WORKSPACE_NOTE_FRACTION = 0.25
+
+
+def _floor_note(graph: PlanGraph, minimum: int) -> str:
+    """What holds up the smallest feasible budget `minimum` of `graph`: the
+    persistent bytes and, when it weighs, the largest workspace of one call."""
+    note = (f"Every plan keeps the {graph.total_persistent_bytes / 2**20:,.1f} MiB of "
+            "weights, optimizer slots and batch.")
+    node = max(graph.nodes, key=lambda n: max(n.forward_workspace_bytes,
+                                              n.backward_workspace_bytes))
+    workspace = max(node.forward_workspace_bytes, node.backward_workspace_bytes)
+    if workspace < WORKSPACE_NOTE_FRACTION * minimum:
+        return note
+    which = "backward" if workspace == node.backward_workspace_bytes else "forward"
+    note += (f" The {which} pass of {node.id!r} ({node.class_name}) alone needs "
+             f"{workspace / 2**20:,.1f} MiB beyond its inputs and outputs, which no plan "
+             "lowers: a smaller batch does.")
+    if node.class_name == "TimeDistributed":
+        note += (" Keras's TimeDistributed over a fixed number of timesteps calls its "
+                 "layer once per timestep, and its gradient holds an input-sized tensor "
+                 "for each; Dense and EinsumDense act on the last axis and take the time "
+                 "axis directly, without TimeDistributed.")
+    return note
 
 
 def _shared_note(graph: PlanGraph) -> str:
@@ -238,7 +272,7 @@ def _shared_note(graph: PlanGraph) -> str:
     if not shared:
         return ""
     names = ", ".join(shared[:4]) + (", ..." if len(shared) > 4 else "")
-    return (f" {len(shared)} layer(s) of this model are called more than once ({names}): "
+    return (f"{len(shared)} layer(s) of this model are called more than once ({names}): "
             "all calls of a shared layer stay in one recompute segment, which limits what "
             "can be recomputed (docs/limitations.md).")
 
