@@ -161,7 +161,19 @@ def test_budget_that_fits_needs_no_rewrite(capsys):
     planner = tfremat.Planner(1e6, verbose=1)
     model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
     assert planner.plan.is_empty
-    assert "without rewriting" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "without rewriting" in out and "budgets are in MiB" not in out
+
+
+def test_a_budget_given_in_bytes_is_pointed_out(capsys):
+    x, y = data(2)
+    planner = tfremat.Planner(200 * 2**20, verbose=1)  # 200 MiB in bytes
+    make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    assert planner.plan.is_empty
+    out = " ".join(capsys.readouterr().out.split())
+    assert "budgets are in MiB: 209,715,200 MiB is 200.0 TiB" in out
+    assert "200.0 MiB would be budget_mb=200.0" in out
+    assert "budgets are in MiB" in planner.plan.estimates.note
 
 
 def test_too_optimistic_first_plan_is_replanned(monkeypatch):

@@ -15,7 +15,7 @@ from keras.src.utils import io_utils  # print_msg: Keras has no public equivalen
 
 from tfremat import api
 from tfremat.core import (MIB, BudgetError, Plan, PlanGraph, UnsupportedModelError,
-                          check_count, interrupts_deferred, warn)
+                          budget_unit_hint, check_count, interrupts_deferred, warn)
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract, is_subclassed, unbuilt_layers
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available
@@ -516,7 +516,8 @@ class Planner(keras.callbacks.Callback):
             elif plan.is_empty:
                 io_utils.print_msg(
                     f"tfremat: the step fits {self.budget_mb:.0f} MiB without rewriting "
-                    f"(predicted {self.predicted_peak_mb:.1f} MiB on {self.device}).")
+                    f"(predicted {self.predicted_peak_mb:.1f} MiB on {self.device})"
+                    + budget_unit_hint(self.budget_mb * MIB) + ".")
             else:
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")

@@ -15,7 +15,7 @@ from tfremat.core.graph import (Node, PlanGraph, TensorInfo, dtype_size, split_r
 from tfremat.core.plan import (Offload, Plan, PlanEstimate, PlanPlots, PlanViews, Segment,
                                recompute_units, set_plan_plots, set_plan_views,
                                updates_in_backward, with_updates_in_backward)
-from tfremat.core.arguments import check_count
+from tfremat.core.arguments import budget_unit_hint, check_count
 from tfremat.core.interrupts import interrupts_deferred
 from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
 from tfremat.core.warning import warn
@@ -23,7 +23,8 @@ from tfremat.core.warning import warn
 __all__ = [
     "MIB", "BackendError", "BudgetError", "Node", "Offload", "Plan", "PlanEstimate",
     "PlanGraph", "PlanMismatchError", "PlanPlots", "PlanValidationError", "PlanViews",
-    "Segment", "TensorInfo", "TfrematError", "UnsupportedModelError", "check_count", "dtype_size",
+    "Segment", "TensorInfo", "TfrematError", "UnsupportedModelError", "budget_unit_hint",
+    "check_count", "dtype_size",
     "interrupts_deferred", "is_convex",
     "recompute_units", "set_plan_plots", "set_plan_views", "shared_layer_groups", "split_ref",
     "structure_fingerprint", "updates_in_backward", "validate_plan", "warn",

@@ -6,7 +6,8 @@ import collections
 import dataclasses
 from typing import Any, Callable
 
-from tfremat.core import BudgetError, Plan, PlanGraph, warn, with_updates_in_backward
+from tfremat.core import (BudgetError, Plan, PlanGraph, budget_unit_hint, warn,
+                          with_updates_in_backward)
 from tfremat.planners import toolkit as seg
 from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
@@ -176,7 +177,8 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
             graph, [], planner="auto", budget_bytes=budget_bytes,
             settings={"objective": objective},
             estimates=est.plan_estimate(note="The step fits the budget without "
-                                             "recomputation: no rewrite needed."))
+                                             "recomputation: no rewrite needed"
+                                             + budget_unit_hint(budget_bytes) + "."))
     other = "memory" if objective == "time" else "time"
 
     def dp(name: str, s: str) -> tuple[str, Callable[[int], Plan]]:
