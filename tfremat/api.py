@@ -341,10 +341,14 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     `unplanned(first)` (the step without recomputation or offload):
     recomputation does not lower every measured peak (not where the peak is
     one convolution's backward scratch), and no plan is trained that measures
-    above none. Plans are measured by `PlanInstallation.measure_peak`, which
-    leaves every variable as it was. The first plan tried that fits with room
-    is chosen (`unplanned` last); when none does, the one of lowest measured
-    peak among those within the budget. The last resorts do not depend on the
+    above none. When the plan of least overhead with room measured more than
+    `MEASURED_SPREAD` below its prediction, one plan of less overhead is
+    measured too (see `_lighter`): the step without recomputation, or the
+    plan for the room the measurement shows. Plans are measured by
+    `PlanInstallation.measure_peak`, which leaves every variable as it was.
+    The plan of least predicted overhead among those with room is chosen;
+    when none has room, the one of lowest measured peak among those within
+    the budget. The last resorts do not depend on the
     budget, so planning again for a BudgetError's minimum measures the plan
     that set it.
 
@@ -430,6 +434,9 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
         bare = unplanned(first)
         if _key(bare) not in measured_keys:
             measure(bare)
+    lighter = _lighter(trials, roomy, first, make, unplanned)
+    if lighter is not None and _key(lighter) not in measured_keys:
+        measure(lighter)
     # Nothing fits: the lowest of several noisy measurements is a lucky one, so
     # the plan of lowest measured peak is measured again until that plan has
     # been measured twice (its higher measurement counts).
@@ -439,6 +446,40 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
             break
         measure(plan)
     return _conclude(trials, budget, planner, time_limit if stopped else None)
+
+
+def _overhead(plan: Plan) -> float:
+    return plan.estimates.overhead if plan.estimates else 0.0
+
+
+def _lighter(trials: list[tuple[Plan, int]], roomy: float, first: Plan,
+             make: Callable[..., Plan],
+             unplanned: Callable[[Plan], Plan] | None) -> Plan | None:
+    """A plan of less predicted overhead than the fastest plan measured with
+    room, to measure once when that plan measured more than `MEASURED_SPREAD`
+    below its prediction (the prediction is high for this model, so less
+    recomputation may fit as well): the step without recomputation when it is
+    predicted within the room the measurement shows, else the plan made for
+    that room. None when there is no such plan."""
+    with_room = [(p, m) for p, m in trials if m <= roomy]
+    if not with_room:
+        return None
+    plan, measured = min(with_room, key=lambda t: _overhead(t[0]))
+    if _overhead(plan) <= 0 or measured > plan.peak_bytes * (1 - MEASURED_SPREAD):
+        return None
+    room = int(roomy * plan.peak_bytes / measured)  # in predicted bytes
+    bare = unplanned(first) if unplanned is not None else None
+    if bare is not None and bare.peak_bytes <= room:
+        lighter = dataclasses.replace(bare, planner=first.planner)
+        lighter.estimates = dataclasses.replace(bare.estimates, note=(
+            "No recomputation or offload: the step measured within the budget, "
+            "below its prediction."))
+    else:
+        try:
+            lighter = make(room)
+        except BudgetError:
+            return None
+    return lighter if _overhead(lighter) < _overhead(plan) else None
 
 
 def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
@@ -460,13 +501,13 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str,
     time limit that ended measuring, if one did."""
     roomy = _room(budget)
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
-               "overhead": p.estimates.overhead if p.estimates else 0.0,
+               "overhead": _overhead(p),
                "unplanned": not (p.segments or p.offloaded), "planner": p.planner}
               for p, m in trials]
     worst = [(p, high) for p, high, _ in _by_plan(trials)]
     fitting = [(p, m) for p, m in worst if m <= budget]
     with_room = [(p, m) for p, m in fitting if m <= roomy]
-    chosen, measured = (with_room[0] if with_room else
+    chosen, measured = (min(with_room, key=lambda t: _overhead(t[0])) if with_room else
                         min(fitting or worst, key=lambda t: t[1]))
     if chosen.estimates is not None:
         chosen.estimates = dataclasses.replace(chosen.estimates, details={
@@ -664,8 +705,7 @@ def _candidates(first: Plan, make: Callable[..., Plan]) -> tuple[list[Plan], Pla
     for p in plans:
         unique.setdefault(_key(p), p)
     others = sorted((p for p in unique.values() if p is not first),
-                    key=lambda p: (p.estimates.overhead if p.estimates else 0.0,
-                                   -p.peak_bytes))
+                    key=lambda p: (_overhead(p), -p.peak_bytes))
     return [first, *others], lowest
 
 

@@ -514,10 +514,14 @@ class Planner(keras.callbacks.Callback):
                     f"warning above; predicted {self.predicted_peak_mb:.1f} MiB on "
                     f"{self.device}).")
             elif plan.is_empty:
+                measured = (plan.estimates.details.get("measured_peak_bytes")
+                            if plan.estimates else None)
+                how = (f"predicted {self.predicted_peak_mb:.1f} MiB" if measured is None else
+                       f"measured {measured / MIB:.1f} MiB, predicted "
+                       f"{self.predicted_peak_mb:.1f}")
                 io_utils.print_msg(
                     f"tfremat: the step fits {self.budget_mb:.0f} MiB without rewriting "
-                    f"(predicted {self.predicted_peak_mb:.1f} MiB on {self.device})"
-                    + budget_unit_hint(self.budget_mb * MIB) + ".")
+                    f"({how} on {self.device})" + budget_unit_hint(self.budget_mb * MIB) + ".")
             else:
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
@@ -532,8 +536,9 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(
                     "tfremat: measured before training: "
                     + "; ".join(api.trial_text(t) for t in details["trials"])
-                    + f" (budget {self.budget_mb:.1f} MiB); training with the plan "
-                      f"measured at {details['measured_peak_bytes'] / MIB:.1f} MiB"
+                    + f" (budget {self.budget_mb:.1f} MiB); training "
+                    + ("without rewriting, " if plan.is_empty else "with the plan ")
+                    + f"measured at {details['measured_peak_bytes'] / MIB:.1f} MiB"
                     + (f", the best measured when measuring stopped at its time limit of "
                        f"{details['measure_stopped_s']:g} s (measure_time_limit)."
                        if "measure_stopped_s" in details else "."))
