@@ -541,7 +541,8 @@ class Planner(keras.callbacks.Callback):
                     + f"measured at {details['measured_peak_bytes'] / MIB:.1f} MiB"
                     + (f", the best measured when measuring stopped at its time limit of "
                        f"{details['measure_stopped_s']:g} s (measure_time_limit)."
-                       if "measure_stopped_s" in details else "."))
+                       if "measure_stopped_s" in details else ".")
+                    + _without_room(details["trials"], self.budget_mb * MIB))
         if self.export:
             try:
                 self.picture = write_picture(plan, self.export, graph=self.graph)
@@ -736,6 +737,17 @@ def _replicas_sharing(strategy: tf.distribute.Strategy, device: str) -> int:
         return 1
     devices = strategy.extended.worker_devices
     return max(1, sum(1 for d in devices if tf.DeviceSpec.from_string(d).device_type == "CPU"))
+
+
+def _without_room(trials: list[dict[str, Any]], budget: float) -> str:
+    """Why a trial within the budget may not have been the plan trained, when
+    one measured so (else "")."""
+    room = budget / (1 + api.MEASURED_SPREAD)
+    if not any(room < t["measured_bytes"] <= budget for t in trials):
+        return ""
+    return (f" A plan within the budget by less than {api.MEASURED_SPREAD:.0%} is kept "
+            "only when no plan measures further below it: a later step can measure "
+            "that much higher.")
 
 
 def _replanned(plan: Plan, budget_mb: float) -> Plan:
