@@ -77,6 +77,12 @@ def test_summary_lists_segments_and_estimates():
     assert "Plan for \"model\" by manual" in text
     assert "segment 0" in text and "segment 1" in text and "1 nested" in text
     assert "Predicted peak" in text and "Extra compute" in text
+    # The nested segment has a line of its own, right under its parent's.
+    lines = text.splitlines()
+    parent = next(i for i, ln in enumerate(lines) if ln.startswith("segment 0"))
+    assert lines[parent + 1].split()[:3] == ["nested", "2", "layers"]
+    assert lines[parent + 1].endswith("l0 .. l1")
+    assert lines[parent + 2].startswith("segment 1")
 
 
 def test_a_segment_does_not_keep_what_its_calls_keep_inside():

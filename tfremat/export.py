@@ -253,14 +253,23 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     elif not (plan.segments or plan.offloaded):
         lines.append("Nothing to recompute or offload.")
     for i, seg in enumerate(plan.segments):
-        dropped = _dropped_bytes(graph, seg)
-        nested = f", {len(seg.children)} nested" if seg.children else ""
-        lines.append(f"segment {i:<3} {len(seg.nodes):>4} layers  {_mib(dropped):>11}"
-                     f"  {seg.nodes[0]} .. {seg.nodes[-1]}{nested}")
+        lines += _segment_lines(graph, seg, f"segment {i:<3}")
     for off in plan.offloaded:
         lines.append(f"offload     {off.tensor}  (prefetch after {off.prefetch_after})")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _segment_lines(graph: PlanGraph, seg: Segment, label: str, depth: int = 0) -> list[str]:
+    """The summary's lines of a segment, then of the segments nested in it
+    (recomputed again while it is), indented."""
+    dropped = _dropped_bytes(graph, seg)
+    nested = f", {len(seg.children)} nested" if seg.children else ""
+    lines = [f"{label:<12}{len(seg.nodes):>4} layers  {_mib(dropped):>11}"
+             f"  {seg.nodes[0]} .. {seg.nodes[-1]}{nested}"]
+    for child in seg.children:
+        lines += _segment_lines(graph, child, "  " * (depth + 1) + "nested", depth + 1)
+    return lines
 
 
 def _measured_line(plan: Plan) -> str:
