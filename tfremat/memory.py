@@ -292,8 +292,9 @@ def _trace_and_measure(model: keras.Model, x: Any, x_spec: Any, given: Any,
         # leaves nothing half-built for the next one.
         with stand_ins(model) as replaced:
             try:
-                if replaced:
-                    model._symbolic_build(data_batch=(x, y))  # as fit builds them
+                if replaced:  # as fit builds them, in the model's strategy's scope
+                    with model.distribute_strategy.scope():
+                        model._symbolic_build(data_batch=(x, y))
                 step = tf.function(step_function(model), jit_compile=jit)
                 with _creating_no_variables(model):
                     concrete = step.get_concrete_function(x_spec, y_spec)

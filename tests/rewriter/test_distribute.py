@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SCRIPT = textwrap.dedent("""
@@ -59,7 +61,6 @@ def test_a_model_made_in_a_strategy_scope_is_planned_outside_it():
     yet (its stand-in is built in the model's scope: Keras refuses to make
     slots for mirrored weights outside it), and leaves the optimizer unbuilt."""
     import keras
-    import pytest
     import tensorflow as tf
 
     import tfremat
@@ -79,13 +80,15 @@ def test_a_model_made_in_a_strategy_scope_is_planned_outside_it():
     assert not model.optimizer.built
 
 
-def test_measuring_in_a_strategy_scope_is_a_clear_error_and_outside_it_works():
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_measuring_in_a_strategy_scope_is_a_clear_error_and_outside_it_works(momentum):
     """A measured step runs outside `strategy.run`; in the scope TensorFlow's
     own error would be "DistributedVariable.handle is not available outside
-    the replica context"."""
+    the replica context". Outside it, an optimizer with slots is built for the
+    measurement in the model's scope, as `fit` builds it (a new user's SGD with
+    momentum failed with "Need to be inside with strategy.scope()")."""
     import keras
     import numpy as np
-    import pytest
     import tensorflow as tf
 
     import tfremat
@@ -94,7 +97,7 @@ def test_measuring_in_a_strategy_scope_is_a_clear_error_and_outside_it_works():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = h.residual_cnn()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=momentum), loss="mse")
     before = [v.numpy() for v in model.weights]
     says = "cannot measure inside the scope of a tf.distribute strategy with 2 replicas"
     with strategy.scope():
@@ -105,3 +108,6 @@ def test_measuring_in_a_strategy_scope_is_a_clear_error_and_outside_it_works():
     for a, b in zip(before, [v.numpy() for v in model.weights]):
         np.testing.assert_array_equal(a, b)
     assert tfremat.measure_peak(model, batch_size=8) > 0
+    for a, b in zip(before, [v.numpy() for v in model.weights]):
+        np.testing.assert_array_equal(a, b)
+    assert not model.optimizer.built  # its stand-in was built and dropped
