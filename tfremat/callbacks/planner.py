@@ -475,7 +475,7 @@ class Planner(keras.callbacks.Callback):
             # The prediction fits but no plan measured within the budget: train
             # with the lowest, and say so (and do not re-plan: see `_over_budget`).
             warn(f"tfremat: {why}{e}\nThis fit trains with the plan that measured "
-                 "lowest.", RuntimeWarning)
+                 f"lowest{NEAR_LOWEST}.", RuntimeWarning)
             self._lowest_measured = e.measured_plan
             return e.measured_plan
 
@@ -504,13 +504,14 @@ class Planner(keras.callbacks.Callback):
         if self.verbose:
             if plan.is_empty and plan.planner == "none":
                 io_utils.print_msg(
-                    f"tfremat: no plan measured lower than the step without one; training "
-                    f"without rewriting (predicted {self.predicted_peak_mb:.1f} MiB on "
-                    f"{self.device}).")
+                    f"tfremat: no plan measured more than {api.MEASURED_SPREAD:.0%} below "
+                    f"the step without one; training without rewriting (predicted "
+                    f"{self.predicted_peak_mb:.1f} MiB on {self.device}).")
             elif plan.is_empty and plan is self._lowest_measured:
                 io_utils.print_msg(
                     f"tfremat: training without rewriting, which measured lowest of the "
-                    f"plans tried, over the budget of {self.budget_mb:.1f} MiB (see the "
+                    f"plans tried{NEAR_LOWEST}, over the budget of {self.budget_mb:.1f} MiB "
+                    f"(see the "
                     f"warning above; predicted {self.predicted_peak_mb:.1f} MiB on "
                     f"{self.device}).")
             elif plan.is_empty:
@@ -636,8 +637,8 @@ class Planner(keras.callbacks.Callback):
             self._measuring = False
             warn(
                 f"tfremat: {over}; the plan in use measured lowest of the plans tried "
-                "when planning (see the warning then): training goes on with it. Lower "
-                "the batch size or raise the budget.", RuntimeWarning)
+                f"when planning{NEAR_LOWEST} (see the warning then): training goes on with "
+                "it. Lower the batch size or raise the budget.", RuntimeWarning)
             return
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
@@ -737,6 +738,10 @@ def _replicas_sharing(strategy: tf.distribute.Strategy, device: str) -> int:
         return 1
     devices = strategy.extended.worker_devices
     return max(1, sum(1 for d in devices if tf.DeviceSpec.from_string(d).device_type == "CPU"))
+
+
+#: What a plan chosen when none fits measured, beside "lowest" (`api._best_effort`).
+NEAR_LOWEST = f" (or within {api.MEASURED_SPREAD:.0%} of it at less compute)"
 
 
 def _without_room(trials: list[dict[str, Any]], budget: float) -> str:
