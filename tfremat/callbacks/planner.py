@@ -511,8 +511,7 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(
                     f"tfremat: training without rewriting, which measured lowest of the "
                     f"plans tried{NEAR_LOWEST}, over the budget of {self.budget_mb:.1f} MiB "
-                    f"(see the "
-                    f"warning above; predicted {self.predicted_peak_mb:.1f} MiB on "
+                    f"(see the warning above; predicted {self.predicted_peak_mb:.1f} MiB on "
                     f"{self.device}).")
             elif plan.is_empty:
                 measured = (plan.estimates.details.get("measured_peak_bytes")
