@@ -397,7 +397,7 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
     """`measured_choice` among `candidates` (`first` first), then its last
     resorts from `lowest` on."""
     budget = first.budget_bytes
-    roomy = _room(budget)
+    roomy = largest_with_room(budget)
     trials: list[tuple[Plan, int]] = []
     measured_keys: set[str] = set()
     deadline = None if time_limit is None else time.perf_counter() + time_limit
@@ -511,7 +511,7 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str,
     """The plan `measured_choice` chooses among `(plan, measured peak)` trials
     (see there), its measurements recorded, or its BudgetError; `stopped`: the
     time limit that ended measuring, if one did."""
-    roomy = _room(budget)
+    roomy = largest_with_room(budget)
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
                "overhead": _overhead(p),
                "unplanned": not (p.segments or p.offloaded), "planner": p.planner}
@@ -553,7 +553,7 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str,
     return chosen
 
 
-def _room(budget: int) -> float:
+def largest_with_room(budget: int) -> float:
     """The largest measured peak that fits `budget` with room for its spread."""
     return budget / (1 + MEASURED_SPREAD)
 

@@ -746,7 +746,7 @@ NEAR_LOWEST = f" (or within {api.MEASURED_SPREAD:.0%} of it at less compute)"
 def _without_room(trials: list[dict[str, Any]], budget: float) -> str:
     """Why a trial within the budget may not have been the plan trained, when
     one measured so (else "")."""
-    room = budget / (1 + api.MEASURED_SPREAD)
+    room = api.largest_with_room(budget)
     if not any(room < t["measured_bytes"] <= budget for t in trials):
         return ""
     return (f" A plan within the budget by less than {api.MEASURED_SPREAD:.0%} is kept "
