@@ -238,6 +238,7 @@ print(json.dumps({"predicted": tfremat.simulate(tfremat.extract(model, batch_siz
 """
 
 
+@pytest.mark.alone
 def test_prediction_matches_measurement_on_a_residual_cnn():
     """The simulator's peak is within 10% of TensorFlow's allocator peak (in a
     fresh process: the peak is process-wide)."""
@@ -274,6 +275,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.alone
 def test_duplicate_computations_share_one_buffer_as_grappler_runs_them_once():
     facts = run_fresh(_DUPLICATE_RELUS)
     firsts = [relu for relu, dup in facts["duplicate_of"].items() if not dup]

@@ -3,6 +3,7 @@ and bringing the prediction closer to the measured peak."""
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfremat.graph import extract, trace
@@ -49,6 +50,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.alone
 def test_eigen_convolution_scratch_is_measured_and_narrows_the_gap():
     facts = run_fresh(_EIGEN_CNN, **EIGEN_BFC)
     # A 3x3 filter gradient over a 9 MiB activation takes scratch of several
@@ -138,6 +140,7 @@ print(json.dumps({"together": simulate(together).peak_bytes, "apart": simulate(a
 """
 
 
+@pytest.mark.alone
 def test_scratch_of_sibling_kernels_adds_up_where_cpu_runs_them_side_by_side():
     facts = run_fresh(_SIBLINGS, **EIGEN_BFC)
     assert facts["concurrent"] is True
@@ -182,6 +185,7 @@ print(json.dumps({"gradients": gradients, "min_op_bytes": MIN_OP_BYTES,
 """
 
 
+@pytest.mark.alone
 def test_small_convolution_gradients_are_measured_for_their_cache_sized_buffers():
     facts = run_fresh(_SMALL_CONVOLUTIONS, **EIGEN_BFC)
     small = [(size, b) for size, b in facts["gradients"] if size < facts["min_op_bytes"]]
@@ -219,6 +223,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.alone
 def test_xla_compiled_grouped_convolution_gradient_scratch_is_measured():
     facts = run_fresh(_GROUPED, **EIGEN_BFC)
     dense_kernel = 7 * 7 * 256 * 256 * 4

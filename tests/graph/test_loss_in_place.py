@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 
 import keras
+import pytest
 
 import tfremat
 from tests.fresh import run_fresh
@@ -86,6 +87,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.alone
 def test_a_language_model_is_predicted_as_measured():
     """Measured in a fresh process (the peak is process-wide). GPT's vocabulary
     and length: the logits (31.3 MiB) are most of the step. Not predicted: the
@@ -96,6 +98,7 @@ def test_a_language_model_is_predicted_as_measured():
     assert abs(peaks["predicted"] / peaks["measured"] - 1) <= 0.1, peaks
 
 
+@pytest.mark.alone
 def test_a_language_model_with_metrics_is_predicted_as_measured():
     """A vocabulary of 32000 over 64 tokens (62.5 MiB of logits), compiled with
     accuracy: predicted 250.7 MiB against 256.8 measured. Narrower models can
