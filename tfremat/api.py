@@ -170,12 +170,13 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             pass, freeing weight gradients as soon as they are used
             (docs/updates-in-backward.md): `"auto"` (the default: when the
             step does not fit as it is, the optimizer allows it and the model
-            is not compiled by XLA, under which it frees nothing), True, or
-            False (updates after the backward pass, as Keras does). With
-            `measure`, `"auto"` decides for each plan measured: the plans made
-            for less than `budget_mb` after a step predicted to fit measured
-            over it run their updates in the backward pass. Where it
-            cannot be exact (`global_clipnorm`, `LossScaleOptimizer`, gradient
+            is not compiled by XLA, under which it frees nothing; left after
+            the backward pass when the planner's lowest plan with them misses
+            the budget), True, or False (updates after the backward pass, as
+            Keras does). With `measure`, `"auto"` decides for each plan
+            measured: the plans made for less than `budget_mb` after a step
+            predicted to fit measured over it run their updates in the
+            backward pass. Where it cannot be exact (`global_clipnorm`, `LossScaleOptimizer`, gradient
             accumulation, a custom `train_step`, a `tf.distribute` strategy)
             the plan says why in `update_note` and updates after the backward
             pass.
@@ -254,9 +255,19 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         def make(budget_bytes: int, objective: str = objective) -> Plan:
             updates, note = (choose_updates(model, graph, min(budget_bytes, asked), "auto")
                              if decided is None else decided)
-            made = make_plan(graph, budget_bytes, planner=planner, objective=objective,
-                             time_limit=time_limit, verbose=verbose,
-                             update_in_backward=updates, **settings)
+
+            def made_with(updates: bool) -> Plan:
+                return make_plan(graph, budget_bytes, planner=planner, objective=objective,
+                                 time_limit=time_limit, verbose=verbose,
+                                 update_in_backward=updates, **settings)
+
+            try:
+                made = made_with(updates)
+            except BudgetError as with_updates:
+                if not updates or decided is not None:
+                    raise
+                # "auto" chose them, yet their own workspace can raise a floor.
+                made, note = _without_updates(made_with, with_updates)
             made.update_note = note
             made.pin_order = pin_order
             return made
@@ -288,6 +299,20 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     result = chief_plan(result, graph)
     result.graph = graph
     return result
+
+
+def _without_updates(made_with: Callable[[bool], Plan],
+                     with_updates: BudgetError) -> tuple[Plan, str]:
+    """The plan with updates after the backward pass, when the planner's
+    lowest plan with them in it (`with_updates`) missed the budget: the
+    plan and its `update_note`. When both miss, the error stating the lower
+    minimum is raised, so that planning at that minimum succeeds."""
+    try:
+        made = made_with(False)
+    except BudgetError as without:
+        raise min(without, with_updates, key=lambda e: e.min_budget_bytes) from None
+    return made, (f"with them this planner's lowest plan is predicted at "
+                  f"{with_updates.min_budget_bytes / MIB:.1f} MiB, over the budget")
 
 
 #: How much the same plan's measured peak moves from one measurement to the next

@@ -742,17 +742,21 @@ def test_trials_run_on_the_first_batch_of_a_masked_model_with_float_token_ids():
     """The trials measure on the real first batch: on zeros, `mask_zero` masked
     every token, the loss and its gradient were NaN, and a recompute segment
     fed NaN token ids to the embedding (a gather error), so the Planner could
-    not measure and trained on the prediction alone."""
+    not measure and trained on the prediction alone.
+
+    Long enough that the step without recomputation measures over the budget
+    (12.1 MiB against 11.3): at 24 tokens and 32 units it measured under it,
+    and the Planner rightly trained without a plan."""
     keras.utils.set_random_seed(0)
-    inp = keras.Input((24,))  # float32, as keras.Input makes it by default
+    inp = keras.Input((96,))  # float32, as keras.Input makes it by default
     h = keras.layers.Embedding(200, 32, mask_zero=True)(inp)
     for _ in range(3):
-        h = keras.layers.LSTM(32, return_sequences=True)(h)
+        h = keras.layers.LSTM(64, return_sequences=True)(h)
     model = keras.Model(inp, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(h)))
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
-    x = rng.integers(1, 200, (32, 24))
-    x[:, 16:] = 0
+    x = rng.integers(1, 200, (32, 96))
+    x[:, 64:] = 0
     y = rng.integers(0, 4, 32)
     graph = tfremat.extract(model, sample=(x[:16], y[:16]))
     with pytest.raises(tfremat.BudgetError) as lowest:
