@@ -628,7 +628,7 @@ class Planner(keras.callbacks.Callback):
             self._measuring = False
             warn(f"tfremat: {over}; the last fit with this callback found no lower "
                  f"plan for this step ({self._settled}): training goes on with it. "
-                 "Lower the batch size or raise the budget.", RuntimeWarning)
+                 f"{self._advice()}", RuntimeWarning)
             return
         if self.plan is not None and self.plan is self._lowest_measured:
             # Planning again would measure the same candidates (a lower target
@@ -637,15 +637,14 @@ class Planner(keras.callbacks.Callback):
             warn(
                 f"tfremat: {over}; the plan in use measured lowest of the plans tried "
                 f"when planning{NEAR_LOWEST} (see the warning then): training goes on with "
-                "it. Lower the batch size or raise the budget.", RuntimeWarning)
+                f"it. {self._advice()}", RuntimeWarning)
             return
         if not self.replan or self.replans >= self.max_replans:
             self._measuring = False
             tried = (f"after {self.replans} re-plan(s)" if self.replan else
                      "(re-planning is off: Planner(replan=False))")
             warn(
-                f"tfremat: {over} {tried}. "
-                "Lower the batch size or raise the budget.", RuntimeWarning)
+                f"tfremat: {over} {tried}. {self._advice()}", RuntimeWarning)
             return
         # What the step measured above the plan's estimate: its measurement
         # before training when it has one (the re-plan's candidates are measured
@@ -675,8 +674,8 @@ class Planner(keras.callbacks.Callback):
             self._settled = "it is the lowest the planner reaches"
             warn(
                 f"tfremat: {over}, and the plan in use is already the "
-                "lowest the planner reaches: training goes on with it. Lower the batch "
-                "size or raise the budget.", RuntimeWarning)
+                f"lowest the planner reaches: training goes on with it. {self._advice()}",
+                RuntimeWarning)
             return
         if floor_mb is not None and not _lower(plan, self.plan, peak_mb / self._sharing):
             # The floor is a prediction: on a model the simulator over-predicts,
@@ -687,16 +686,15 @@ class Planner(keras.callbacks.Callback):
             warn(
                 f"tfremat: {over}. The lowest peak the planner predicts is "
                 f"{floor_mb:.1f} MiB, and the plan made for it is no lower than the plan "
-                "in use: training goes on with the plan in use. Lower the batch size "
-                "or raise the budget.", RuntimeWarning)
+                f"in use: training goes on with the plan in use. {self._advice()}",
+                RuntimeWarning)
             return
         if floor_mb is not None:
             warn(
                 f"tfremat: {over}. Absorbing the measured excess needs a plan "
                 f"predicted at {target:.1f} MiB, but the lowest reachable prediction is "
                 f"{floor_mb:.1f} MiB: re-planned with that; the budget may still be "
-                "exceeded. Lower the batch size or raise the budget.",
-                RuntimeWarning)
+                f"exceeded. {self._advice()}", RuntimeWarning)
         else:
             # An epoch over the budget is not to be missed, verbose or not.
             warn(f"tfremat: {over}: re-planned for {target:.1f} MiB (the budget less "
@@ -704,6 +702,24 @@ class Planner(keras.callbacks.Callback):
                  "keeps the steps before.", RuntimeWarning)
         self.replans += 1
         self._install(_replanned(plan, self.budget_mb))
+
+    def _advice(self) -> str:
+        """What to do when the budget is not met; on CPU, with what the input
+        pipeline holds between steps when that is a tenth of the budget or more
+        (fit on NumPy arrays holds them in the step's allocator: a CNN's steps
+        peaked at 258-295 MiB there, 242-244 fed from a generator)."""
+        advice = "Lower the batch size or raise the budget."
+        if not self.device.startswith("CPU") or self.graph is None:
+            return advice
+        held_mb = (tf.config.experimental.get_memory_info(self.device)["current"] / MIB
+                   - self._sharing * self.graph.total_persistent_bytes / MIB)
+        if held_mb < 0.1 * self._sharing * self.budget_mb:
+            return advice
+        return (f"{advice} Between steps {held_mb:.1f} MiB more than the model's weights, "
+                "optimizer slots and batch are in use: on CPU the input pipeline's "
+                "tensors share the allocator (NumPy arrays given to fit, or to "
+                "from_tensor_slices, are held there whole; a dataset read from files or "
+                "a generator holds the batches in flight: docs/troubleshooting.md).")
 
     def _predicted_floor_mb(self) -> float:
         """The lowest peak the planner predicts for a plan: the minimum it states
