@@ -34,6 +34,14 @@ PARTIAL_STEP = (
     "left as plain Keras leaves it, use Planner(update_in_backward=False).")
 
 
+#: What is in use beside the model on CPU: the end of the `Planner`'s notes on it.
+HELD = ("than the model's weights, optimizer slots and batch are in use: on CPU, tensors "
+        "the program keeps elsewhere and the input pipeline's share the allocator (NumPy "
+        "arrays given to fit, or to from_tensor_slices, are held there whole; a dataset "
+        "read from files or a generator holds the batches in flight: "
+        "docs/troubleshooting.md)")
+
+
 class Planner(keras.callbacks.Callback):
     """Makes each training step of `fit` fit a device memory budget.
 
@@ -423,6 +431,11 @@ class Planner(keras.callbacks.Callback):
             self.graph = extract(model, sample=sample)
             if traced:
                 traced(1)
+            held = self._held_mb()
+            if held is not None:
+                warn(f"tfremat: before the first step {held:.1f} MiB more {HELD}; every "
+                     "step's peak counts them, so the plans are measured and chosen with "
+                     "them in.", RuntimeWarning)
             # The plan also depends on this callback's settings, which a user may
             # change between fits.
             self._step_key = (_step_key(model, self.graph), self.budget_mb, self.planner,
@@ -704,22 +717,24 @@ class Planner(keras.callbacks.Callback):
         self._install(_replanned(plan, self.budget_mb))
 
     def _advice(self) -> str:
-        """What to do when the budget is not met; on CPU, with what the input
-        pipeline holds between steps when that is a tenth of the budget or more
-        (fit on NumPy arrays holds them in the step's allocator: a CNN's steps
-        peaked at 258-295 MiB there, 242-244 fed from a generator)."""
+        """What to do when the budget is not met, with what is held between
+        steps beside the model on CPU (`_held_mb`)."""
         advice = "Lower the batch size or raise the budget."
-        if not self.device.startswith("CPU") or self.graph is None:
+        held = self._held_mb()
+        if held is None:
             return advice
-        held_mb = (tf.config.experimental.get_memory_info(self.device)["current"] / MIB
-                   - self._sharing * self.graph.total_persistent_bytes / MIB)
-        if held_mb < 0.1 * self._sharing * self.budget_mb:
-            return advice
-        return (f"{advice} Between steps {held_mb:.1f} MiB more than the model's weights, "
-                "optimizer slots and batch are in use: on CPU the input pipeline's "
-                "tensors share the allocator (NumPy arrays given to fit, or to "
-                "from_tensor_slices, are held there whole; a dataset read from files or "
-                "a generator holds the batches in flight: docs/troubleshooting.md).")
+        return f"{advice} Between steps {held:.1f} MiB more {HELD}."
+
+    def _held_mb(self) -> float | None:
+        """MiB in use on a CPU device beyond the model's weights, optimizer slots
+        and batch, when that is a tenth of the budget or more; else None. Fit on
+        NumPy arrays holds them in the step's allocator: a CNN's steps peaked at
+        258-295 MiB so, 242-244 fed from a generator."""
+        if not self._stats or not self.device.startswith("CPU") or self.graph is None:
+            return None
+        held = (tf.config.experimental.get_memory_info(self.device)["current"] / MIB
+                - self._sharing * self.graph.total_persistent_bytes / MIB)
+        return held if held >= 0.1 * self._sharing * self.budget_mb else None
 
     def _predicted_floor_mb(self) -> float:
         """The lowest peak the planner predicts for a plan: the minimum it states
@@ -728,6 +743,7 @@ class Planner(keras.callbacks.Callback):
             return self._plan(1 / MIB).peak_bytes / MIB  # a budget of one byte
         except BudgetError as e:
             return e.min_budget_mb
+
 
 
 def _step_key(model: keras.Model, graph: PlanGraph) -> tuple:
