@@ -80,9 +80,15 @@ def test_summary_lists_segments_and_estimates():
     # The nested segment has a line of its own, right under its parent's.
     lines = text.splitlines()
     parent = next(i for i, ln in enumerate(lines) if ln.startswith("segment 0"))
-    assert lines[parent + 1].split()[:3] == ["nested", "2", "layers"]
+    assert lines[parent + 1].split()[:2] == ["nested", "2"]
     assert lines[parent + 1].endswith("l0 .. l1")
     assert lines[parent + 2].startswith("segment 1")
+    # The columns are named above the rows, and "nested" is said below them.
+    assert lines[parent - 1].split() == ["recomputed", "layers", "not", "kept", "first",
+                                         "..", "last", "layer"]
+    end = lines[parent - 1].index("layers") + len("layers")
+    assert lines[parent][:end].split()[-1] == "4", "a layer count sits under its header"
+    assert any(ln.startswith("(nested: recomputed again while the segment above") for ln in lines)
 
 
 def test_a_segment_does_not_keep_what_its_calls_keep_inside():
@@ -90,8 +96,7 @@ def test_a_segment_does_not_keep_what_its_calls_keep_inside():
     reads it) but not its intermediates: the summary once said 0 KiB."""
     g = G.subclassed_blocks()  # each block keeps 3 MiB inside, 1 MiB output
     plan = Plan.from_segments(g, [["block_1"]], planner="manual")
-    assert "segment 0      1 layers      3.0 MiB  block_1 .. block_1" in export.summary(
-        g, plan)
+    assert "segment 0        1      3.0 MiB  block_1 .. block_1" in export.summary(g, plan)
     assert "1 layers, 3.0 MiB not kept" in export.to_pydot(g, plan).to_string()
 
 

@@ -252,24 +252,32 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         lines.append("Nothing to recompute: the step fits as it is.")
     elif not (plan.segments or plan.offloaded):
         lines.append("Nothing to recompute or offload.")
-    for i, seg in enumerate(plan.segments):
-        lines += _segment_lines(graph, seg, f"segment {i:<3}")
+    rows = [row for i, seg in enumerate(plan.segments)
+            for row in _segment_rows(graph, seg, f"segment {i}")]
+    if rows:
+        width = max(12, *(len(label) + 2 for label, _ in rows))
+        lines.append(f"{'recomputed':<{width}}{'layers':>6}  {'not kept':>11}  first .. last layer")
+        lines += [f"{label:<{width}}{rest}" for label, rest in rows]
+    if any(seg.children for seg in plan.segments):
+        lines += ["(nested: recomputed again while the segment above it is recomputed,",
+                  " so that one keeps fewer of its activations at once)"]
     for off in plan.offloaded:
         lines.append(f"offload     {off.tensor}  (prefetch after {off.prefetch_after})")
     lines.append("=" * 72)
     return "\n".join(lines)
 
 
-def _segment_lines(graph: PlanGraph, seg: Segment, label: str, depth: int = 0) -> list[str]:
-    """The summary's lines of a segment, then of the segments nested in it
-    (recomputed again while it is), indented."""
+def _segment_rows(graph: PlanGraph, seg: Segment, label: str,
+                  depth: int = 0) -> list[tuple[str, str]]:
+    """The summary's rows (label, the rest) of a segment, then of the segments
+    nested in it (recomputed again while it is), indented."""
     dropped = _dropped_bytes(graph, seg)
     nested = f", {len(seg.children)} nested" if seg.children else ""
-    lines = [f"{label:<12}{len(seg.nodes):>4} layers  {_mib(dropped):>11}"
-             f"  {seg.nodes[0]} .. {seg.nodes[-1]}{nested}"]
+    rows = [(label, f"{len(seg.nodes):>6}  {_mib(dropped):>11}"
+                    f"  {seg.nodes[0]} .. {seg.nodes[-1]}{nested}")]
     for child in seg.children:
-        lines += _segment_lines(graph, child, "  " * (depth + 1) + "nested", depth + 1)
-    return lines
+        rows += _segment_rows(graph, child, "  " * (depth + 1) + "nested", depth + 1)
+    return rows
 
 
 def _measured_line(plan: Plan) -> str:

@@ -191,3 +191,18 @@ def test_a_plan_from_make_plan_carries_its_graph_for_summary(planner, capsys):
     assert plan.graph is graph
     plan.summary()
     assert plan.planner in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+def test_every_budget_the_auto_error_lists_is_met_by_that_planner(graph_name):
+    # A user copies a planner's figure from the list: it must plan, not refuse.
+    graph = GRAPHS[graph_name]()
+    with pytest.raises(BudgetError) as info:
+        make_plan(graph, min_feasible_budget(graph) - 1)
+    listed = re.findall(r"(?:^|; )([a-z-]+)(?: \((time|memory)\))?: ([\d.]+) MiB",
+                        str(info.value).split("Smallest budget each meets: ")[1])
+    assert {"approx-dp", "chen-sqrt"} <= {name for name, _, _ in listed}
+    for name, objective, mib in listed:
+        plan = make_plan(graph, int(float(mib) * MIB), name,
+                         **({"objective": objective} if objective else {}))
+        assert plan.peak_bytes <= float(mib) * MIB

@@ -121,6 +121,8 @@ class BudgetError(TfrematError, ValueError):
         measured: As given.
         budget_mb: `budget_bytes` in MiB (0 when None).
         min_budget_mb: `min_budget_bytes` in MiB.
+        feasible_mb: `min_budget_mb` rounded up to 0.1 MiB: the figure the
+            messages state, itself a budget that can be met.
         measured_plan: Set by `tfremat.plan(..., measure=True)` when no plan it
             measured fits: the plan that measured lowest (its estimate details
             hold `"measured_peak_bytes"`), for a caller that trains anyway, as
@@ -154,8 +156,7 @@ class BudgetError(TfrematError, ValueError):
                f"as the simulator predicts it, not measured: {self.MEASURE_HINT}")
         message = (
             f"A budget of {self.budget_mb:.1f} MiB cannot be met by planner {planner!r}: "
-            # Rounded up, so that the figure given is itself feasible.
-            f"the smallest feasible budget is {math.ceil(self.min_budget_mb * 10) / 10:.1f} "
+            f"the smallest feasible budget is {self.feasible_mb:.1f} "
             f"MiB ({self.min_budget_bytes} bytes), {how}."
         )
         if detail:
@@ -169,6 +170,11 @@ class BudgetError(TfrematError, ValueError):
     @property
     def min_budget_mb(self) -> float:
         return self.min_budget_bytes / MIB
+
+    @property
+    def feasible_mb(self) -> float:
+        # Rounded up, so that a user who copies the figure gets a plan.
+        return math.ceil(self.min_budget_mb * 10) / 10
 
     def __reduce__(self) -> tuple:  # picklable with its arguments (subprocesses)
         return (type(self), (self.budget_bytes, self.min_budget_bytes, self.planner,

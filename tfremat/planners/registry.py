@@ -214,7 +214,7 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
                     tried.append(f"{name}: fits")
                 except BudgetError as err:
                     minimum = min(minimum, err.min_budget_bytes)
-                    tried.append(f"{name}: {err.min_budget_mb:.1f} MiB")
+                    tried.append(f"{name}: {err.feasible_mb:.1f} MiB")
                     answered.append(attempt)
                 except DPTimeout as err:
                     warn(f"{err} Skipping it.")
@@ -231,13 +231,13 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
             plan = swap_combined(graph, budget_bytes, bases, **swap_settings)
         except BudgetError as err:
             minimum = min(minimum, err.min_budget_bytes)
-            tried.append(f"swap: {err.min_budget_mb:.1f} MiB")
+            tried.append(f"offloading on top of them: {err.feasible_mb:.1f} MiB")
         else:
             return _noted(plan, f"Chosen by planner='auto' after: {'; '.join(tried)}; "
                                 "offloading to host memory (on top of recomputation "
                                 "when cheaper) meets the budget.")
     raise BudgetError(budget_bytes, minimum, "auto",
-                      "Smallest peaks reached: " + "; ".join(tried) + ".")
+                      "Smallest budget each meets: " + "; ".join(tried) + ".")
 
 
 #: A layer call whose own workspace is at least this fraction of the minimum

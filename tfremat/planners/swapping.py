@@ -192,11 +192,11 @@ def swap_combined(graph: PlanGraph, budget_bytes: int, bases: Sequence[Plan],
             reached = err.min_budget_bytes
             lowest = reached if lowest is None else min(lowest, reached)
             tried.append(f"on {base.planner!r} ({len(base.segments)} segments): "
-                         f"{err.min_budget_mb:.1f} MiB")
+                         f"{err.feasible_mb:.1f} MiB")
     if plans:
         return min(plans, key=seg.cost)
     raise BudgetError(budget_bytes, lowest, "swap",
-                      "Offloading reached: " + "; ".join(tried) + ".")
+                      "Offloading meets at least: " + "; ".join(tried) + ".")
 
 
 # -- helpers ---------------------------------------------------------------------

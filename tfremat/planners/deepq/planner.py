@@ -182,7 +182,7 @@ def _fallback(graph: PlanGraph, budget_bytes: int, settings: dict, lowest_peak: 
     except BudgetError as err:
         raise BudgetError(budget_bytes, min(lowest_peak, err.min_budget_bytes), "dqn",
                           f"{missed}; planner 'auto' reached "
-                          f"{err.min_budget_mb:.1f} MiB.") from None
+                          f"{err.feasible_mb:.1f} MiB.") from None
     warn(f"{missed}: using the plan of planner 'auto' instead.")
     plan.planner = "dqn"
     plan.settings = {**settings, "fallback": "auto"}
