@@ -412,6 +412,65 @@ def test_ops_grappler_prunes_hold_no_memory():
     assert drop.backward_workspace_bytes <= drop.output_bytes
 
 
+def test_what_runs_in_place_or_before_the_batch_is_no_workspace():
+    """Dropout's random numbers do not depend on the batch: the executor makes
+    them (and compares them with the rate) as the step starts, and only the mask
+    lives on. A convolution's fused ReLU writes into the convolution's output,
+    the select of a Dropout into its scaled input, and the gradients of both
+    into the gradient they receive. Counted as workspace, a small CNN with
+    Dropout was predicted 30% above its measured peak (tests below)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32, 32, 16))
+    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="conv")(inp)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    x = keras.layers.Conv2D(16, 3, padding="same", name="conv2")(x)
+    x = keras.layers.Activation("relu", name="relu")(x)
+    out = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(x))
+    model = keras.Model(inp, out)
+    model.compile(optimizer="sgd", loss="mse")
+    graph = tfremat.extract(model, batch_size=8)
+    conv, drop, relu = graph.node("conv"), graph.node("drop"), graph.node("relu")
+    assert drop.forward_workspace_bytes < drop.output_bytes / 4, drop
+    assert conv.forward_workspace_bytes < conv.output_bytes / 4, conv
+    assert drop.internal_saved_bytes == drop.output_bytes / 4  # the boolean mask
+    assert drop.backward_inplace and relu.backward_inplace
+    assert not conv.backward_inplace and not graph.node("conv2").backward_inplace
+
+
+_DROPOUT_CNN_PEAKS = """
+import json
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)  # the same order every step
+import keras
+import tfremat
+
+# A new user's CNN: four convolutions with L2 and Dropout, Adam, metrics.
+R = keras.regularizers.l2(1e-3)
+keras.utils.set_random_seed(1)
+inp = keras.Input((48, 48, 3))
+h = inp
+for f in (32, 32, 64, 64):
+    h = keras.layers.Conv2D(f, 3, padding="same", activation="relu", kernel_regularizer=R)(h)
+    h = keras.layers.Dropout(0.2)(h)
+h = keras.layers.GlobalAveragePooling2D()(h)
+h = keras.layers.Dropout(0.3)(keras.layers.Dense(64, activation="relu")(h))
+model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(h))
+model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+print(json.dumps({"predicted": tfremat.simulate(tfremat.extract(model, batch_size=32)).peak_bytes,
+                  "measured": tfremat.measure_peak(model, batch_size=32)}))
+"""
+
+
+@pytest.mark.alone
+def test_prediction_of_a_cnn_with_dropout_is_near_its_measurement():
+    """Predicted 190.5 MiB against 145.8 measured (+31%) when Dropout's random
+    numbers, fused activations and elementwise gradients counted as workspace;
+    161.0 now. The rest is the allocator replay's chunks (the sum of live
+    buffers is 136.8): within 15%, not yet 5%."""
+    peaks = run_fresh(_DROPOUT_CNN_PEAKS)
+    assert abs(peaks["predicted"] / peaks["measured"] - 1) < 0.15, peaks
+
+
 class RematBlock(keras.layers.Layer):
     """Two convolutions the user wrapped in `keras.remat`."""
 

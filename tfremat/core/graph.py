@@ -98,6 +98,10 @@ class Node:
         seconds_backward: Measured backward time, when measured.
         inplace: Whether the call is elementwise, so its output may reuse the
             buffer of its first input (Chen et al. Sec. 3).
+        backward_inplace: Whether the call's backward pass writes its input's
+            gradient into a buffer that already exists (the incoming gradient,
+            as an activation's or a Dropout's elementwise gradient kernels do)
+            instead of allocating one.
         alias_inputs: For each output, the position in `inputs` of the input
             whose buffer it is (a reshape or identity), or None for a new buffer.
             Empty means no output aliases an input.
@@ -132,6 +136,7 @@ class Node:
     seconds_forward: float | None = None
     seconds_backward: float | None = None
     inplace: bool = False
+    backward_inplace: bool = False
     alias_inputs: list[int | None] = dataclasses.field(default_factory=list)
     duplicate_of: list[str | None] = dataclasses.field(default_factory=list)
 

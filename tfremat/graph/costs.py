@@ -36,6 +36,11 @@ ELEMENTWISE_OPS = frozenset({
     "LeakyRelu", "Gelu", "Exp", "Log", "Neg", "Abs", "Square", "Sqrt", "Rsqrt",
     "AddV2", "Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "BiasAdd",
     "Cast", "Erf", "Floor", "Round", "SquaredDifference", "Pow", "Swish",
+    # Activation gradients and selects forward a dying input too
+    # (`BinaryElementWiseOp`, `SelectV2Op` in TensorFlow's kernels; the profiler
+    # shows a Dropout's and a ReLU's backward allocating nothing).
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SigmoidGrad",
+    "TanhGrad", "SoftplusGrad", "SoftsignGrad", "Select", "SelectV2",
 })
 
 # Other kernels writing an output into an input's buffer when nothing else

@@ -291,12 +291,16 @@ class Schedule:
         step = self._step(f"bwd {node.id}", node.backward_workspace_bytes,
                           node_seconds(node, self.device_flops)[1])
         self.backward_step[node.id] = step
+        incoming: Key | None = None  # the output's gradient, when one buffer
         for i, t in enumerate(node.outputs):
             parts = self.partials.pop(node.output_ref(i), [])
             for key in parts:
                 self._use(key, step)
             if len(parts) > 1:  # AddN of the partial gradients
-                self._alloc(("grad-sum", node.output_ref(i)), t.bytes, step)
+                incoming = ("grad-sum", node.output_ref(i))
+                self._alloc(incoming, t.bytes, step)
+            elif parts:
+                incoming = parts[0]
         for ref in node.backward_reads:
             self._use(ctx.resolve(ref), step)
         saved = ctx.saved.get(node.id)
@@ -310,6 +314,9 @@ class Schedule:
                 key = ("grad", ref, len(parts))
                 self._alloc(key, t.bytes, step)
                 parts.append(key)
+                if (node.backward_inplace and incoming is not None
+                        and self.size.get(incoming) == t.bytes):
+                    self.inplace.append((step, key, incoming))
         # The optimizer's update frees a weight gradient some steps after it is made.
         while (self.gradient_lifetime is not None
                and len(self.weight_grads) >= self.gradient_lifetime):
