@@ -93,7 +93,9 @@ def test_a_budget_too_small_is_an_error_naming_the_batch_size(tmp_path, capsys):
     path = tiny_model_file(tmp_path)
     assert cli.main(["plan", path, "--budget-mb", "0.01", "--batch-size", "4"]) == 2
     err = capsys.readouterr().err
-    assert "smallest feasible budget" in err and "at batch size 4: --batch-size" in err
+    # The batch size is said with the figure, before any list that follows it.
+    assert re.search(r"smallest feasible budget is [\d.]+ MiB \(\d+ bytes\) at batch size 4 "
+                     r"\(--batch-size\),", err), err
     # The command's own option, not the Python API's.
     assert "not measured: --measure measures plans on the device" in err
     assert "tfremat.plan(" not in err

@@ -115,6 +115,15 @@ def test_summary_says_whether_and_what_was_measured():
         "measured_peak_bytes": 3 * 2**20, "trials": trials})
     assert "Measured peak:   3.0 MiB on the device (chosen after 2 measurements)" in export.summary(
         g, plan)
+    # A plan predicted above its budget and measured within it says why it was taken.
+    predicted = simulate(g, plan).peak_bytes
+    plan.budget_bytes = predicted - 1
+    plan.estimates = dataclasses.replace(simulate(g, plan).plan_estimate(), details={
+        "measured_peak_bytes": predicted - 2})
+    assert "above the budget; chosen because it measured within it" in export.summary(g, plan)
+    plan.estimates = dataclasses.replace(simulate(g, plan).plan_estimate(), details={
+        "measured_peak_bytes": predicted})
+    assert "above the budget" not in export.summary(g, plan)
 
 
 def test_summary_of_an_empty_plan_says_nothing_to_do():

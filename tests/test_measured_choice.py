@@ -214,6 +214,11 @@ def test_the_minimum_stated_rests_on_the_lowest_plan_measured_twice(monkeypatch)
     lines = str(caught.value).split("measurement(s):\n", 1)[1].splitlines()
     assert len(lines) == len(FakeInstallation.measured)
     assert all(" MiB -> measured " in line for line in lines)
+    # The second measurement of a plan says so: read alone, a first measurement
+    # under the budget looked like a plan refused for nothing.
+    again = [line.strip().startswith("the same plan again, ") for line in lines]
+    assert again == [i > 0 and FakeInstallation.measured[i] in FakeInstallation.measured[:i]
+                     for i in range(len(lines))] and sum(again) >= 1, lines
 
 
 def predicted_floor_bytes(graph) -> int:

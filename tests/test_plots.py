@@ -40,6 +40,18 @@ def test_plotted_peaks_are_the_simulated_peaks():
     assert "13.0, 13.5 MiB" in line(fig, plots.MEASURED_LABEL).get_label()
 
 
+def test_the_plain_line_meets_the_planned_one_at_the_same_layer_calls():
+    """A new user read the two lines call by call and found them shifted after
+    the first recomputation: the plain step has no recompute steps."""
+    g, plan = chain_plan()
+    fig = plots.memory_figure(g, plan)
+    planned_labels = [label for label, _ in simulate(g, plan).timeline]
+    xs = list(line(fig, plots.PLAIN_LABEL).get_xdata())
+    for x, (label, _) in zip(xs, simulate(g).timeline):
+        assert planned_labels[x] == label
+    assert xs[-1] == len(planned_labels) - 1 > len(xs) - 1  # the update, after the recomputes
+
+
 def test_recompute_spans_are_shaded_once_per_segment():
     g, plan = chain_plan()
     fig = plots.memory_figure(g, plan)

@@ -537,10 +537,12 @@ def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str,
     (see there), its measurements recorded, or its BudgetError; `stopped`: the
     time limit that ended measuring, if one did."""
     roomy = largest_with_room(budget)
+    keys = [_key(p) for p, _ in trials]
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
                "overhead": _overhead(p),
-               "unplanned": not (p.segments or p.offloaded), "planner": p.planner}
-              for p, m in trials]
+               "unplanned": not (p.segments or p.offloaded), "planner": p.planner,
+               "again": keys[i] in keys[:i]}
+              for i, (p, m) in enumerate(trials)]
     plans = _by_plan(trials)
     fitting = [(p, high) for p, high, _ in plans if high <= budget]
     with_room = [(p, m) for p, m in fitting if m <= roomy]
@@ -585,7 +587,8 @@ def largest_with_room(budget: int) -> float:
 
 def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
     """One trial of a plan's estimate details (`"trials"`) in words."""
-    kind = ("without recomputation, " if trial.get("unplanned") else
+    kind = ("the same plan again, " if trial.get("again") else
+            "without recomputation, " if trial.get("unplanned") else
             "every unit recomputed on its own, " if trial.get("planner") == "every-unit"
             else "")
     return (f"{kind}predicted {trial['predicted_bytes'] / MIB:.1f} MiB {arrow} "

@@ -266,12 +266,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = _plainly(warnings.showwarning)
             return args.func(args)
     except (TfrematError, ValueError) as e:
-        batch = (f" (at batch size {args.batch_size}: --batch-size)"
-                 if isinstance(e, BudgetError) and args.command != "demo" else "")
         text = str(e)
+        if isinstance(e, BudgetError) and args.command != "demo":
+            # Said with the figure, not after the list of measurements below it.
+            stated = f"({e.min_budget_bytes} bytes)"
+            text = text.replace(stated, f"{stated} at batch size {args.batch_size} "
+                                        "(--batch-size)", 1)
         if hasattr(args, "measure"):  # the API's way to measure is this command's option
             text = text.replace(BudgetError.MEASURE_HINT, "--measure measures plans on the device")
-        print(f"tfremat: error: {text}{batch}", file=sys.stderr)
+        print(f"tfremat: error: {text}", file=sys.stderr)
         return 2
 
 

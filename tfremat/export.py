@@ -7,6 +7,7 @@ registers itself with `tfremat.core.set_plan_views` when imported).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -238,10 +239,16 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
         below = not plan.budget_bytes or replanned < plan.budget_bytes
         why = ("under the budget, to absorb what a training step measured above the "
                "plan's estimate" if below else
-               "the lowest peak the planner predicts, above the budget")
+               "the lowest peak the planner predicts, above the budget: the measured "
+               "peak decides")
         lines.append(f"Re-planned for:  {_mib(replanned)} ({why})")
+    details = plan.estimates.details if plan.estimates else {}
+    above = (" above the budget; chosen because it measured within it"
+             if plan.budget_bytes and est.peak_bytes > plan.budget_bytes
+             and details.get("measured_peak_bytes", math.inf) <= plan.budget_bytes else "")
     lines += [
-        f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})",
+        f"Predicted peak:  {_mib(est.peak_bytes)} (without plan {_mib(plain.peak_bytes)})"
+        + above,
         f"Measured peak:   {_measured_line(plan)}",
         f"Extra compute:   +{est.overhead:.1%} of a step",
         f"Segments:        {len(plan.segments)}; offloaded tensors: {len(plan.offloaded)}",

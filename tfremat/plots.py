@@ -91,7 +91,7 @@ def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
     planned = simulate(graph, plan) if plan is not None and not plan.is_empty else None
     fig = Figure(figsize=(10, 4.8), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    ax.plot(range(len(plain.timeline)), _mb(plain), color="#888888", lw=1.4,
+    ax.plot(_plain_steps(plain, planned), _mb(plain), color="#888888", lw=1.4,
             label=f"{PLAIN_LABEL} (peak {plain.peak_mb:,.1f} MiB)")
     if planned is not None:
         _draw_plan(ax, plan, planned)
@@ -119,6 +119,19 @@ def memory_figure(graph: PlanGraph, plan: Plan | None = None, *,
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     return fig
+
+
+def _plain_steps(plain: Estimate, planned: Estimate | None) -> list[int]:
+    """Where the plain step's points go on the x axis: at the planned
+    schedule's step of the same layer call, so the two lines compare call by
+    call across the recomputations only the plan has."""
+    step_of = {} if planned is None else {
+        label: i for i, (label, _) in reversed(list(enumerate(planned.timeline)))
+        if not _is_recompute(label)}
+    xs = [step_of.get(label) for label, _ in plain.timeline]
+    if None in xs or xs != sorted(xs):
+        return list(range(len(plain.timeline)))
+    return xs
 
 
 def _mb(est: Estimate) -> list[float]:

@@ -200,7 +200,7 @@ def test_every_budget_the_auto_error_lists_is_met_by_that_planner(graph_name):
     with pytest.raises(BudgetError) as info:
         make_plan(graph, min_feasible_budget(graph) - 1)
     listed = re.findall(r"(?:^|; )([a-z-]+)(?: \((time|memory)\))?: ([\d.]+) MiB",
-                        str(info.value).split("Smallest budget each meets: ")[1])
+                        str(info.value).split("Smallest budget each meets, as predicted: ")[1])
     assert {"approx-dp", "chen-sqrt"} <= {name for name, _, _ in listed}
     for name, objective, mib in listed:
         plan = make_plan(graph, int(float(mib) * MIB), name,

@@ -120,8 +120,11 @@ class Planner(keras.callbacks.Callback):
         max_trials: Most plans measured before training.
         measure_time_limit: Seconds measuring may take, each time the
             callback plans (300 by default; None for no limit): once passed,
-            it trains with the best plan measured so far and says so. Under
-            XLA every plan measured is compiled first.
+            it trains with the best plan measured so far and says so. It is
+            checked before each measurement, and one begun in time runs to its
+            end (slow steps, such as mixed float16 on a CPU, can take it well
+            past: 375 s in one new user's run). Under XLA every
+            plan measured is compiled first.
         strategy: Deprecated name of `objective`.
         update_in_backward: Run each optimizer update inside the backward pass
             (see `tfremat.plan`): `"auto"` (the default: under a binding

@@ -237,7 +237,7 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
                                 "offloading to host memory (on top of recomputation "
                                 "when cheaper) meets the budget.")
     raise BudgetError(budget_bytes, minimum, "auto",
-                      "Smallest budget each meets: " + "; ".join(tried) + ".")
+                      "Smallest budget each meets, as predicted: " + "; ".join(tried) + ".")
 
 
 #: A layer call whose own workspace is at least this fraction of the minimum
