@@ -562,18 +562,21 @@ def small_unet() -> keras.Model:
     return keras.Model(inp, out, name="unet")
 
 
-@pytest.mark.parametrize("planner", ["chen-sqrt", "approx-dp"])
-def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_floor(planner):
+@pytest.mark.parametrize("batch", [4, 8])
+def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_floor(batch):
     """At the lowest budget a planner reaches with updates after the backward
     pass, "auto" (which turns them on whenever the step does not fit) planned
-    with them and raised a BudgetError: examples/unet_segmentation.py failed so."""
+    with them and raised a BudgetError: examples/unet_segmentation.py failed so,
+    with chen-sqrt (whose floor on this U-Net no longer rises with them since
+    elementwise gradients are counted in place; approx-dp's still does)."""
     import tfremat
     from tfremat.planners import min_feasible_budget
 
+    planner = "approx-dp"
     keras.utils.set_random_seed(0)
     model = small_unet()
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    graph = tfremat.extract(model, batch_size=4)
+    graph = tfremat.extract(model, batch_size=batch)
     after = min_feasible_budget(graph, planner, update_in_backward=False)
     within = min_feasible_budget(graph, planner, update_in_backward=True)
     assert within > after  # the case: else this test tests nothing
