@@ -327,9 +327,8 @@ def _run_at_the_start(batch: list[int], end: int, flow: _Dataflow) -> set[int]:
     0.5 ms, and the measured peak 30% below the prediction.)"""
     on_batch = set(batch)
     for i, op in enumerate(flow.ops[:end]):
-        if i not in on_batch and any(
-                flow.index[t.op.name] in on_batch for t in op.inputs) or any(
-                flow.index[c.name] in on_batch for c in op.control_inputs):
+        if (any(flow.index[t.op.name] in on_batch for t in op.inputs)
+                or any(flow.index[c.name] in on_batch for c in op.control_inputs)):
             on_batch.add(i)
     return {i for i in range(end) if i not in on_batch and all(
         c < end and c not in on_batch
