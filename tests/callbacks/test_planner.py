@@ -346,7 +346,7 @@ def test_a_replan_at_the_floor_keeps_a_plan_in_use_that_measured_lower(
     if switches:
         text = tfremat.summary(graph, installed[0])
         assert "Re-planned for:  119.4 MiB (the lowest peak the planner predicts, above " \
-               "the budget)" in text
+               "the budget: the measured peak decides)" in text
 
 
 @needs_graphviz

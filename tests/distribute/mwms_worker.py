@@ -53,7 +53,9 @@ def main() -> None:
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         graph = tfremat.extract(model, batch_size=per_worker)
         budget_mb = 0.7 * tfremat.simulate(graph).peak_mb
-        plan = tfremat.plan(model, budget_mb, graph=graph)
+        # Nothing measures a plan in the scope: plan with room for the spread of a
+        # plan's measured peak (docs/scaling.md: up to 15% above its prediction).
+        plan = tfremat.plan(model, budget_mb / 1.2, graph=graph)
         rewritten = tfremat.rewrite(model, plan)
         try:
             tfremat.plan(model, budget_mb, graph=graph, measure=True)
