@@ -234,7 +234,8 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     lines = [f'Plan for "{graph.name}" by {plan.planner}{batch}', "=" * 72]
     if plan.budget_bytes:
         lines.append(f"Budget:          {_mib(plan.budget_bytes)} per device")
-    replanned = plan.estimates.details.get("replanned_for_bytes") if plan.estimates else None
+    details = plan.estimates.details if plan.estimates else {}
+    replanned = details.get("replanned_for_bytes")
     if replanned:
         below = not plan.budget_bytes or replanned < plan.budget_bytes
         why = ("under the budget, to absorb what a training step measured above the "
@@ -242,7 +243,6 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
                "the lowest peak the planner predicts, above the budget: the measured "
                "peak decides")
         lines.append(f"Re-planned for:  {_mib(replanned)} ({why})")
-    details = plan.estimates.details if plan.estimates else {}
     above = (" above the budget; chosen because it measured within it"
              if plan.budget_bytes and est.peak_bytes > plan.budget_bytes
              and details.get("measured_peak_bytes", math.inf) <= plan.budget_bytes else "")
