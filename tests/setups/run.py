@@ -7,7 +7,8 @@ Each fit is measured in a process of its own: TensorFlow's allocator statistics
 are process-wide, so another model alive in the process would count in the peak.
 `plain` fits without tfremat and measures the device peak of each epoch with its
 own callback; `planned` fits with `tfremat.Planner(BUDGET_MB)` and, when the
-budget cannot be met, fits again at the minimum the BudgetError states.
+budget cannot be met, fits again at the minimum the BudgetError states; it
+records each epoch's peak and each step's, as the Planner logs them.
 Writes OUT_DIR/SETUP-MODE.json and OUT_DIR/SETUP-MODE.npz (the final weights).
 """
 
@@ -49,6 +50,16 @@ class EpochPeaks(keras.callbacks.Callback):
         self.peaks.append(tf.config.experimental.get_memory_info(DEVICE)["peak"] / 2**20)
 
 
+class StepPeaks(keras.callbacks.Callback):
+    """The peak of each step as the Planner logs it (`log_batches=True`)."""
+
+    def on_train_begin(self, logs=None):
+        self.peaks: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.peaks.append(logs["peak_memory_mb"])
+
+
 def fit(name: str, callbacks: list) -> keras.Model:
     setup = build(name)
     if setup.deterministic_ops:
@@ -67,20 +78,22 @@ def main(name: str, mode: str, out_dir: str, budget_mb: float | None = None) -> 
         result["peaks_mb"] = peaks.peaks
     else:
         result["budget_mb"] = budget_mb
+        steps = StepPeaks()
         try:
-            planner = tfremat.Planner(budget_mb, verbose=0)
+            planner = tfremat.Planner(budget_mb, verbose=0, log_batches=True)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                model = fit(name, [planner])
+                model = fit(name, [planner, steps])
         except tfremat.BudgetError as e:
             result["budget_error_min_mb"] = e.min_budget_mb
             result["budget_mb"] = budget_mb = e.min_budget_mb * 1.0001
-            planner = tfremat.Planner(budget_mb, verbose=0)
+            planner = tfremat.Planner(budget_mb, verbose=0, log_batches=True)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                model = fit(name, [planner])
+                model = fit(name, [planner, steps])
         result.update(
-            peaks_mb=planner.epoch_peaks_mb, segments=len(planner.plan.segments),
+            peaks_mb=planner.epoch_peaks_mb, step_peaks_mb=steps.peaks,
+            segments=len(planner.plan.segments),
             planner=planner.plan.planner, pinned=planner.plan.pin_order,
             replans=planner.replans,
             predicted_mb=planner.predicted_peak_mb,

@@ -3,7 +3,8 @@
 For each setup (tests/setups/models.py) a plain fit and a fit with
 `tfremat.Planner` run in fresh processes (tests/setups/run.py) from the same
 weights. The plan must not be empty, every epoch's measured peak must be within
-the budget (or the BudgetError's minimum, planned again, must be met), and the
+the budget (or the BudgetError's minimum, planned again, must be met) but for
+the fit's first step, which plans and runs the plan for the first time, and the
 weights after two epochs must equal the plain fit's: global relative error
 <= 1e-6 with SGD, <= 1e-3 with Adam (Adam turns float noise in a ~zero gradient,
 e.g. of a conv bias before BatchNorm, into a learning-rate-sized step).
@@ -17,6 +18,15 @@ default threads (two here) it does: the `metrics` CNN's plain step measured
 235-238 MiB idle and 221-273 beside two busy processes, and beside the rest of
 the default selection epochs went over 70% (178.2 MiB against 170.5, the plan
 measured ~161 in its trials). That variant runs with `-m slow`.
+
+Why the first step is left out: it is where a graph runs for the first time, and
+on the CPU, where TensorFlow's own work at a graph's first run allocates too,
+its peak has a heavier tail than the later steps'. The `rnn_with_mask` plan
+(one segment, two nested), one inter-op thread, measured 34.8-38.9 MiB in its
+first step in about 40 fits and 40.3 MiB (budget 39.6) in one more (a CI run:
+40.0), against 35.0-38.2 MiB in ~300 later steps; its plain step measured 56.3-56.7 in every
+step. The Planner judges a plan on the steps after its first for that reason,
+and `tfremat fit` exits 1 only when they exceed the budget.
 """
 
 from __future__ import annotations
@@ -67,7 +77,12 @@ def test_setup_trains_under_budget_like_a_plain_fit(name, threads, tmp_path):
     report = json.dumps({"plain": plain, "planned": planned}, indent=1)
     assert planned["segments"] > 0, report
     assert planned["pinned"] == (threads == "1"), report  # pin_order="auto"
-    assert all(p <= planned["budget_mb"] for p in planned["peaks_mb"]), report
+    # The fit's first step plans, then runs the plan for the first time: the
+    # Planner leaves it out when it judges the plan (as `tfremat fit` does), and
+    # so does this test. Every step after it, and every epoch after the first,
+    # must be within the budget.
+    assert all(p <= planned["budget_mb"] for p in planned["step_peaks_mb"][1:]), report
+    assert all(p <= planned["budget_mb"] for p in planned["peaks_mb"][1:]), report
     if "budget_error_min_mb" in planned:
         assert planned["budget_error_min_mb"] > budget, report
     tolerance = 1e-3 if name in ADAM else 1e-6
