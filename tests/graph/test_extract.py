@@ -437,6 +437,37 @@ def test_what_runs_in_place_or_before_the_batch_is_no_workspace():
     assert not conv.backward_inplace and not graph.node("conv2").backward_inplace
 
 
+class _FusedNorm(keras.layers.Layer):
+    """Batch normalization by TensorFlow's fused kernel, which makes the
+    statistics its backward reads with its output."""
+
+    def call(self, x):
+        ones = tf.ones([x.shape[-1]])
+        return tf.compat.v1.nn.fused_batch_norm(x, ones, ones * 0, is_training=True)[0]
+
+
+def test_a_dropouts_mask_is_saved_apart_from_its_output_a_fused_kernels_not():
+    """A recompute whose backward reads none of a call's outputs runs only the
+    ops making what the call's backward reads, when they neither make nor read
+    the outputs (`Node.saved_apart`): a Dropout's mask comes from the random
+    numbers alone, and a BatchNormalization's statistics (Keras computes them
+    with separate ops) from its input; a fused batch norm kernel makes its
+    statistics with its output."""
+    inp = keras.Input((8, 8, 4))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inp)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    x = _FusedNorm(name="fused")(x)
+    model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    model.compile(optimizer="sgd", loss="mse")
+    graph = tfremat.extract(model, batch_size=4)
+    drop, bn, fused = graph.node("drop"), graph.node("bn"), graph.node("fused")
+    assert drop.internal_saved_bytes > 0 and drop.saved_apart, drop
+    assert bn.internal_saved_bytes > 0 and bn.saved_apart, bn
+    assert fused.internal_saved_bytes > 0 and not fused.saved_apart, fused
+    assert not graph.node("conv").saved_apart  # nothing of its own making is saved
+
+
 _DROPOUT_CNN_PEAKS = """
 import json
 import tensorflow as tf

@@ -168,9 +168,11 @@ def test_recompute_segments_lower_the_peak_and_cost_one_forward():
     plan = Plan.from_segments(g, [[f"l{i}" for i in range(k, k + 4)] for k in range(0, 16, 4)])
     est = simulate(g, plan)
     assert est.peak_bytes < plain.peak_bytes
-    # Every node inside a segment runs its forward twice.
-    assert est.extra_flops == 16 * 10.0
-    assert est.overhead == pytest.approx(160.0 / (16 * 30.0))
+    # Every node inside a segment but its last runs its forward twice: the
+    # last one's output only the next segment's backward (or the loss) reads,
+    # and its recompute is pruned.
+    assert est.extra_flops == 12 * 10.0
+    assert est.overhead == pytest.approx(120.0 / (16 * 30.0))
     # In the last segment's backward: its input l11, which the recompute reads
     # in place, the 4 recomputed outputs, and gradients; l3 and l7 are long
     # gone, 16 activations were alive before.
@@ -188,6 +190,48 @@ def test_nested_segments_lower_the_peak_further():
     nested.validate(g)
     assert simulate(g, nested).peak_bytes < simulate(g, flat).peak_bytes
     assert simulate(g, nested).extra_flops > simulate(g, flat).extra_flops
+
+
+def test_a_recompute_runs_only_what_its_backward_reads():
+    """In the backward pass TensorFlow prunes the recompute's ops whose results
+    nothing reads (the profiler showed a U-Net segment's last Conv2DTranspose
+    and Concatenate, and a CNN segment's last Dropout multiplication, made in
+    the forward pass only): a call runs again when its backward or a call that
+    runs reads its output; of one that saves its own tensors apart from its
+    output (a Dropout's mask), only those."""
+    def graph(saved_apart: bool) -> PlanGraph:
+        return asked_for(PlanGraph([
+            Node("in", "in", "InputLayer", [], [t(1)]),
+            Node("d", "d", "Dense", ["in:0"], [t(4)], backward_reads=["in:0"],
+                 param_bytes=1024, flops_forward=10.0, flops_backward=20.0),
+            Node("r", "r", "ReLU", ["d:0"], [t(4)], backward_reads=["r:0"],
+                 flops_forward=1.0, flops_backward=1.0),
+            Node("drop", "drop", "Dropout", ["r:0"], [t(4)], internal_saved_bytes=MB,
+                 saved_apart=saved_apart, flops_forward=1.0, flops_backward=1.0),
+            Node("add", "add", "Add", ["drop:0", "in:0"], [t(4)],
+                 flops_forward=1.0, flops_backward=0.0),
+            Node("out", "out", "Dense", ["add:0"], [t(1)], backward_reads=["add:0"],
+                 param_bytes=1024, flops_forward=10.0, flops_backward=20.0),
+        ], outputs=["out:0"]))
+
+    segment = [["d", "r", "drop", "add"]]
+    apart, with_output = graph(True), graph(False)
+    est = simulate(apart, Plan.from_segments(apart, segment))
+    labels = [label for label, _ in est.timeline]
+    # d (read by r's forward), r (read by its backward) run again; of drop its
+    # mask only; add, which nothing in the backward reads, not at all.
+    assert "fwd d (recompute 1)" in labels and "fwd r (recompute 1)" in labels
+    assert "fwd drop (recompute 1, saved tensors only)" in labels
+    assert not any(label.startswith("fwd add (recompute") for label in labels)
+    assert est.extra_flops == 10.0 + 1.0
+    # A call whose saved tensors come with its output (a BatchNorm's statistics)
+    # runs whole: its output and its saved tensors.
+    whole = simulate(with_output, Plan.from_segments(with_output, segment))
+    assert whole.extra_flops == 10.0 + 1.0 + 1.0
+    # Its mask alone: 4 MiB (drop's output) less than when it runs whole.
+    at, at_whole = dict(est.timeline), dict(whole.timeline)
+    assert (at["fwd drop (recompute 1, saved tensors only)"]
+            == at_whole["fwd drop (recompute 1)"] - 4 * MB)
 
 
 def test_plan_for_another_graph_is_refused():
@@ -257,9 +301,10 @@ def test_a_duplicate_is_shared_only_when_computed_in_the_same_recompute():
     together = simulate(g, Plan.from_segments(g, [["r1", "r2", "a", "b"]]))
     apart = simulate(g, Plan.from_segments(g, [["r1", "a"], ["r2", "b"]]))
     # Recomputed together, r2 is r1 again: neither its buffer nor its FLOPs.
-    assert together.extra_flops == 1.0 + 10.0 + 10.0
+    # (a and b are not recomputed: their backward reads the ReLUs, not them.)
+    assert together.extra_flops == 1.0
     # Recomputed in two segments, each ReLU runs in its own recompute.
-    assert apart.extra_flops == 2 * (1.0 + 10.0)
+    assert apart.extra_flops == 2 * 1.0
 
 
 def test_duplicate_of_must_name_an_earlier_output_of_the_same_size():

@@ -102,6 +102,11 @@ class Node:
             gradient into a buffer that already exists (the incoming gradient,
             as an activation's or a Dropout's elementwise gradient kernels do)
             instead of allocating one.
+        saved_apart: Whether the ops making `internal_saved_bytes` neither make
+            nor read the call's outputs (a Dropout's mask; not a BatchNorm's
+            statistics, which one kernel makes with its output). A recompute
+            whose backward reads none of the call's outputs then runs only
+            them: TensorFlow prunes the ops whose results nothing reads.
         alias_inputs: For each output, the position in `inputs` of the input
             whose buffer it is (a reshape or identity), or None for a new buffer.
             Empty means no output aliases an input.
@@ -137,6 +142,7 @@ class Node:
     seconds_backward: float | None = None
     inplace: bool = False
     backward_inplace: bool = False
+    saved_apart: bool = False
     alias_inputs: list[int | None] = dataclasses.field(default_factory=list)
     duplicate_of: list[str | None] = dataclasses.field(default_factory=list)
 

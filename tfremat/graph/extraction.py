@@ -335,6 +335,27 @@ def _run_at_the_start(batch: list[int], end: int, flow: _Dataflow) -> set[int]:
         for j in range(len(flow.ops[i].outputs)) for c in flow.readers[flow.root[(i, j)]])}
 
 
+def _saved_apart(positions: set[int], outputs: list[_Root], saved: set[_Root],
+                 flow: _Dataflow) -> bool:
+    """Whether a call's intermediates that its backward reads (`saved`, made at
+    op indices `positions`) are all made by ops that neither make its outputs
+    nor read them: a Dropout's mask, not a BatchNorm's statistics (made with
+    its output by one kernel). A recompute that needs only them runs those ops
+    alone (see `Node.saved_apart`)."""
+    if not saved:
+        return False
+    after = {r[0] for r in outputs if r[0] in positions}
+    todo = list(after)
+    while todo:
+        i = todo.pop()
+        for j in range(len(flow.ops[i].outputs)):
+            for c in flow.readers[flow.root[(i, j)]]:
+                if c in positions and c not in after:
+                    after.add(c)
+                    todo.append(c)
+    return all(r[0] not in after for r in saved)
+
+
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                          is_temporary: Any, carried: int = 0) -> int:
     """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
@@ -579,6 +600,9 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             order, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
             carried=overlapping.get(site.id, 0))
             for order in (bwd_pos, _ready_first(bwd_pos, flow)))
+        saved_apart = _saved_apart(
+            fwd_set, out_roots, {r for r in saved_roots if r not in out_roots
+                                 and out_ref.get(r) is None and flow.size[r]}, flow)
         backward_inplace = _gradient_in_place(
             bwd_pos, flow, [by_id[r.rsplit(":", 1)[0]].outputs[int(r.rsplit(":", 1)[1])].bytes
                             for r in inputs if r.rsplit(":", 1)[0] in by_id])
@@ -603,7 +627,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             param_bytes=param_bytes,
             flops_forward=sum(costs.op_flops(ops[i]) for i in fwd_pos),
             flops_backward=sum(costs.op_flops(ops[i]) for i in bwd_pos),
-            inplace=inplace, backward_inplace=backward_inplace,
+            inplace=inplace, backward_inplace=backward_inplace, saved_apart=saved_apart,
             alias_inputs=[_alias_position(r, inputs, out_ref) if a else None
                           for r, a in zip(out_roots, aliases_input)],
             duplicate_of=duplicate_of if any(duplicate_of) else [],

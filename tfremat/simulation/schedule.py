@@ -4,7 +4,8 @@ The step is unrolled into steps (forward of each layer call, the loss, backward
 of each call in reverse order, the optimizer update). With a Plan, each
 recompute segment runs its forward without keeping anything inside it, and in
 the backward pass runs its forward again (its nested segments again without
-keeping), then its backward. With updates in the backward pass
+keeping; of calls whose outputs its backward does not read, only what their
+own backward reads), then its backward. With updates in the backward pass
 (`Plan.update_in_backward`), the optimizer update of a layer call runs right
 after its backward step and that of a segment after the segment's backward,
 each freeing its weight gradients at once (layers called from several units
@@ -120,6 +121,7 @@ class Schedule:
         self.gradient_lifetime = gradient_lifetime(graph)
         self.top = _Context(None)
         self._segment_units: dict[int, list[_Unit]] = {}
+        self._segment_needs: dict[int, tuple[set[str], set[str]]] = {}
         self.update_in_backward = update_in_backward
         self._calls = Counter(n.layer for n in graph)
         # While the backward pass of a top-level segment runs: its layers whose
@@ -267,7 +269,7 @@ class Schedule:
                     self._unit_layers = self._own_layers(unit)
                 sub = self._units_of(unit)
                 inner = _Context(ctx)
-                self.forward(sub, inner, record=True)
+                self._recompute(unit, inner)
                 self.backward(sub, inner)
                 for key in self._segment_inputs(unit, ctx):  # the closure held them so far
                     self._use(key, len(self.labels) - 1)
@@ -276,6 +278,64 @@ class Schedule:
                     self._unit_layers, self._unit_grads = None, []
             elif self.requires_grad[unit.id]:
                 self._backward_node(unit, ctx)
+
+    def _recompute(self, segment: Segment, ctx: "_Context") -> None:
+        """The forward pass of `segment` again, before its backward pass: the
+        calls its backward needs (`_needed`), and of the others only what their
+        own backward reads."""
+        runs, saved_only = self._needed(segment)
+        for unit in self._units_of(segment):
+            if isinstance(unit, Segment):
+                self.forward(self._units_of(unit), ctx, record=False)
+            elif unit.id in runs:
+                self._forward_node(unit, ctx, record=True)
+            elif unit.id in saved_only:
+                self._saved_only(unit, ctx)
+
+    def _needed(self, segment: Segment) -> tuple[set[str], set[str]]:
+        """The calls of `segment` whose recompute runs (those whose outputs its
+        backward pass reads, directly or through other calls that run, and
+        every call of a nested segment), and those of which it runs only the
+        ops making what their backward reads (`Node.saved_apart`).
+
+        TensorFlow prunes from the recompute the ops whose results nothing
+        reads: the backward of a segment ending in a Dropout reads its mask,
+        not its output, and the Dropout's multiplication is not run again (a
+        small CNN's four-Dropout plan was predicted at 150.2 MiB with it,
+        measured 108.3)."""
+        if id(segment) in self._segment_needs:
+            return self._segment_needs[id(segment)]
+        reads = {r for n in segment.nodes for r in self.graph.node(n).backward_reads}
+        runs: set[str] = set()
+        saved_only: set[str] = set()
+        for unit in reversed(self._units_of(segment)):
+            if isinstance(unit, Segment):
+                runs.update(unit.nodes)
+                inside = set(unit.nodes)
+                reads.update(r for n in unit.nodes for r in self.graph.node(n).inputs
+                             if r.rsplit(":", 1)[0] not in inside)
+                continue
+            backward = self.requires_grad[unit.id] and unit.internal_saved_bytes > 0
+            if any(unit.output_ref(i) in reads for i in range(len(unit.outputs))) or (
+                    backward and not unit.saved_apart):
+                runs.add(unit.id)
+                reads.update(unit.inputs)
+            elif backward:  # its saved tensors may be made from its inputs
+                saved_only.add(unit.id)
+                reads.update(unit.inputs)
+        self._segment_needs[id(segment)] = runs, saved_only
+        return runs, saved_only
+
+    def _saved_only(self, node: Node, ctx: "_Context") -> None:
+        """Recomputes only what `node`'s backward reads of its own making."""
+        runs = self.times_run.get(node.id, 0)
+        self.times_run[node.id] = runs + 1
+        step = self._step(f"fwd {node.id} (recompute {runs}, saved tensors only)")
+        key = (node.id + "#saved", ctx.uid)
+        self._alloc(key, node.internal_saved_bytes, step)
+        if node.internal_saved_pieces > 1:
+            self.pieces[key] = node.internal_saved_pieces
+        ctx.saved[node.id] = key
 
     def _segment_inputs(self, segment: Segment, ctx: "_Context") -> list[Key]:
         """The keys of a segment's inputs from outside it, which its recompute
