@@ -562,7 +562,10 @@ def small_unet() -> keras.Model:
     return keras.Model(inp, out, name="unet")
 
 
-@pytest.mark.parametrize("batch", [4, 8])
+# Batches where approx-dp's floor rises with the updates in the backward pass
+# (2026-12-05: 4 and 12 of 2, 3, 4, 6, 8, 12, 16; at 8 it stopped rising once a
+# recompute reran only what its backward reads).
+@pytest.mark.parametrize("batch", [4, 12])
 def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_floor(batch):
     """At the lowest budget a planner reaches with updates after the backward
     pass, "auto" (which turns them on whenever the step does not fit) planned
@@ -589,6 +592,7 @@ def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_flo
     assert caught.value.min_budget_bytes == after
     # With room for them, "auto" keeps them in the backward pass.
     assert tfremat.plan(model, within / 2**20, graph=graph, planner=planner).update_in_backward
+
 
 def test_auto_runs_the_updates_in_the_backward_pass_where_the_plain_peak_does_not_fall():
     """A language model's plain step peaks at the logits' gradient, before any
