@@ -103,10 +103,12 @@ class Node:
             as an activation's or a Dropout's elementwise gradient kernels do)
             instead of allocating one.
         saved_apart: Whether the ops making `internal_saved_bytes` neither make
-            nor read the call's outputs (a Dropout's mask; not a BatchNorm's
-            statistics, which one kernel makes with its output). A recompute
-            whose backward reads none of the call's outputs then runs only
-            them: TensorFlow prunes the ops whose results nothing reads.
+            nor read the call's outputs (a Dropout's mask, the statistics
+            Keras's BatchNormalization computes from its input; not what a
+            fused kernel such as `FusedBatchNormV3` makes with its output). A
+            recompute whose backward reads none of the call's outputs then
+            runs only them: TensorFlow prunes the ops whose results nothing
+            reads.
         alias_inputs: For each output, the position in `inputs` of the input
             whose buffer it is (a reshape or identity), or None for a new buffer.
             Empty means no output aliases an input.

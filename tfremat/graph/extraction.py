@@ -339,9 +339,9 @@ def _saved_apart(positions: set[int], outputs: list[_Root], saved: set[_Root],
                  flow: _Dataflow) -> bool:
     """Whether a call's intermediates that its backward reads (`saved`, made at
     op indices `positions`) are all made by ops that neither make its outputs
-    nor read them: a Dropout's mask, not a BatchNorm's statistics (made with
-    its output by one kernel). A recompute that needs only them runs those ops
-    alone (see `Node.saved_apart`)."""
+    nor read them: a Dropout's mask, not what a fused kernel makes with its
+    output. A recompute that needs only them runs those ops alone (see
+    `Node.saved_apart`)."""
     if not saved:
         return False
     after = {r[0] for r in outputs if r[0] in positions}
