@@ -533,6 +533,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     backward_reads: dict[str, list[str]] = collections.defaultdict(list)
     internal_saved: dict[str, int] = collections.Counter()
     saved_buffers: dict[str, int] = collections.Counter()
+    saved_inside: dict[str, set[_Root]] = collections.defaultdict(set)  # their buffers
     for r, nbytes in flow.size.items():
         v = owner[r[0]]
         if v in _NOT_CALLS or r[0] >= traced.backward_start:
@@ -545,6 +546,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         if ref is None:
             internal_saved[v] += nbytes
             saved_buffers[v] += costs.output_buffers(ops[r[0]], r[1]) if nbytes else 0
+            if nbytes:
+                saved_inside[v].add(r)
         else:
             for w in bwd_readers:
                 backward_reads[w].append(ref)
@@ -600,9 +603,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             order, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
             carried=overlapping.get(site.id, 0))
             for order in (bwd_pos, _ready_first(bwd_pos, flow)))
-        saved_apart = _saved_apart(
-            fwd_set, out_roots, {r for r in saved_roots if r not in out_roots
-                                 and out_ref.get(r) is None and flow.size[r]}, flow)
+        saved_apart = _saved_apart(fwd_set, out_roots, saved_inside[site.id], flow)
         backward_inplace = _gradient_in_place(
             bwd_pos, flow, [by_id[r.rsplit(":", 1)[0]].outputs[int(r.rsplit(":", 1)[1])].bytes
                             for r in inputs if r.rsplit(":", 1)[0] in by_id])

@@ -239,11 +239,7 @@ class Schedule:
             self._alloc(key, 0 if node.is_input else t.bytes, step)
             ctx.keys[ref] = key
         if record and node.internal_saved_bytes:
-            key = (node.id + "#saved", ctx.uid)
-            self._alloc(key, node.internal_saved_bytes, step)
-            if node.internal_saved_pieces > 1:
-                self.pieces[key] = node.internal_saved_pieces
-            ctx.saved[node.id] = key
+            self._alloc_saved(node, ctx, step)
         if node.inplace and inputs and node.outputs and not (same and same[0] is not None):
             self.inplace.append((step, (node.output_ref(0), ctx.uid), inputs[0]))
 
@@ -330,7 +326,12 @@ class Schedule:
         """Recomputes only what `node`'s backward reads of its own making."""
         runs = self.times_run.get(node.id, 0)
         self.times_run[node.id] = runs + 1
-        step = self._step(f"fwd {node.id} (recompute {runs}, saved tensors only)")
+        self._alloc_saved(node, ctx, self._step(
+            f"fwd {node.id} (recompute {runs}, saved tensors only)"))
+
+    def _alloc_saved(self, node: Node, ctx: "_Context", step: int) -> None:
+        """Allocates at `step` the tensors of `node`'s own making that its
+        backward reads (`internal_saved_bytes`, in its pieces)."""
         key = (node.id + "#saved", ctx.uid)
         self._alloc(key, node.internal_saved_bytes, step)
         if node.internal_saved_pieces > 1:
