@@ -8,7 +8,10 @@ So, in two steps:
 1. `--save DIR`, at the commit that measured them: extracts each model's graph and
    makes each measured row's plan again, as `planners.py` did, and saves graph and
    plans in DIR (a row whose plan predicts otherwise than recorded is reported:
-   extraction is not bit-for-bit repeatable on every model).
+   extraction is not bit-for-bit repeatable on every model). A row that
+   `planners.py` measured as an earlier row's plan (its `runner`: `auto` choosing
+   chen-recursive's segments, say) is scored with that row's plan, not with the
+   plan its planner makes now, which may be another.
 2. `--load DIR`, at any commit: simulates the saved plans with this checkout's
    simulator and prints, per model and over all rows, the error of the prediction
    against the measured peak (issue #12's measure: within 10% and 5%, the median
@@ -52,8 +55,13 @@ def save(directory: str, names: list[str]) -> None:
         os.makedirs(here, exist_ok=True)
         graph.to_json(os.path.join(here, "graph.json"))
         rows = []
+        made: dict[str, str] = {}  # runner -> plan file
         for i, row in enumerate(record["rows"]):
             if "measured_mib" not in row:
+                continue
+            if row["runner"] in made:  # measured as another row's plan, the same segments
+                rows.append({"plan": made[row["runner"]], "planner": row["planner"],
+                             "budget": row["budget"], "measured_mib": row["measured_mib"]})
                 continue
             try:
                 plan = (plan_at_minimum(graph, row["planner"]) if row["budget"] == "min" else
@@ -63,6 +71,7 @@ def save(directory: str, names: list[str]) -> None:
                       flush=True)
                 continue
             plan.to_json(os.path.join(here, f"plan{i}.json"))
+            made[row["runner"]] = f"plan{i}.json"
             rows.append({"plan": f"plan{i}.json", "planner": row["planner"],
                          "budget": row["budget"], "measured_mib": row["measured_mib"]})
             if abs(plan.peak_bytes / MIB - row["predicted_mib"]) >= 0.05:
