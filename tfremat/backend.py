@@ -94,6 +94,13 @@ def device_allocator(device: str) -> str | None:
     return "bfc" if memory_stats_available(device) else None
 
 
+def kernels_at_once(device: str) -> int:
+    """How many kernels TensorFlow runs at once on `device`: its executor's
+    inter-op threads on a CPU (`inter_op_threads`), one on a GPU, whose
+    kernels run one after the other on its compute stream."""
+    return inter_op_threads() if device.startswith("CPU") else 1
+
+
 def inter_op_threads() -> int:
     """How many inter-op threads TensorFlow's executor runs a step's ready
     operations on: the number set with

@@ -116,6 +116,27 @@ def test_extract_records_the_measurement_and_can_skip_it():
         assert a.backward_workspace_bytes >= b.backward_workspace_bytes
 
 
+_CONCURRENT_OPS = r"""
+import json
+import keras
+import numpy as np
+from tfremat.graph import extract
+
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+model.compile(optimizer="sgd", loss="mse")
+graph = extract(model, sample=(np.zeros((4, 8), "float32"), np.zeros((4, 4), "float32")),
+                measure_kernels=False)
+print(json.dumps(graph.metadata["concurrent_ops"]))
+"""
+
+
+def test_extract_records_whether_the_cpu_runs_ready_ops_side_by_side():
+    # The simulator holds a weight gradient kernel's inputs through the next
+    # step only where the executor has threads to run both.
+    assert run_fresh(_CONCURRENT_OPS, TF_NUM_INTEROP_THREADS="2") is True
+    assert run_fresh(_CONCURRENT_OPS, TF_NUM_INTEROP_THREADS="1") is False
+
+
 # A residual CNN whose strided convolution's input and filter gradients (32 MiB
 # of Eigen scratch each) run side by side on CPU's two inter-op threads.
 _SIBLINGS = r"""

@@ -152,6 +152,17 @@ def test_training_step_peak_by_hand():
     assert est.persistent_bytes == 4 * MB
 
 
+def test_a_weight_gradient_kernel_holds_what_it_reads_through_the_next_step_on_a_cpu():
+    alone = asked_for(mlp_graph())
+    side_by_side = dataclasses.replace(alone, metadata={**alone.metadata, "concurrent_ops": True})
+    # d2's backward ends with its weight gradient, which reads the gradient of
+    # d2's output (1 MiB). With ready ops run side by side, relu's backward
+    # starts while that kernel runs, so the gradient is still held there.
+    est = simulate(side_by_side)
+    assert est.peak_bytes == simulate(alone).peak_bytes + MB
+    assert est.peak_step == "bwd relu"
+
+
 def chain(n: int, mb: float = 1.0) -> PlanGraph:
     nodes = [Node("in", "in", "InputLayer", [], [t(mb)])]
     for i in range(n):

@@ -209,10 +209,12 @@ class PlanGraph:
             (a softmax cross-entropy on logits does).
         name: Model name.
         metadata: Facts about the step (batch shape, trace time, kernel
-            workspaces). The simulator reads two: `"replicas"`, the strategy's
-            replicas, and `"allocator"`, how the device's allocator counts
-            bytes (`tfremat.simulation.ALLOCATORS`; TensorFlow's BFC allocator
-            when absent).
+            workspaces). The simulator reads three: `"replicas"`, the
+            strategy's replicas; `"allocator"`, how the device's allocator
+            counts bytes (`tfremat.simulation.ALLOCATORS`; TensorFlow's BFC
+            allocator when absent); and `"concurrent_ops"`, whether the device
+            runs ready operations side by side (a CPU with several inter-op
+            threads; false when absent).
 
     Example:
 

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfremat.backend import device_allocator, device_name, require_tensorflow
+from tfremat.backend import device_allocator, device_name, kernels_at_once, require_tensorflow
 from tfremat.graph import costs
 from tfremat.core import Node, PlanGraph, TensorInfo, UnsupportedModelError
 from tfremat.graph.kernels import KernelWorkspaces, measure_kernel_workspaces
@@ -673,6 +673,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             "subclassed": not input_sites,
             "replicas": traced.replicas,
             "allocator": device_allocator(device_name()),
+            "concurrent_ops": kernels_at_once(device_name()) > 1,
             **({"kernel_workspaces": kernels.metadata()} if kernels else {}),
         })
 

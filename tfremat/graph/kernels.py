@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
 
-from tfremat.backend import device_name, inter_op_threads, memory_stats_available
+from tfremat.backend import device_name, kernels_at_once, memory_stats_available
 
 #: Ops whose inputs and outputs together are smaller are not measured, except
 #: convolutions and XLA-compiled calls (Keras's grouped convolutions):
@@ -87,9 +87,7 @@ class KernelWorkspaces:
     def threads(self) -> int:
         """How many kernels can run (and hold scratch) at once on `device`:
         TensorFlow's inter-op threads on CPU, one on a GPU."""
-        if not self.device.startswith("CPU"):
-            return 1
-        return inter_op_threads()
+        return kernels_at_once(self.device)
 
     def metadata(self) -> dict[str, Any]:
         """A summary for `PlanGraph.metadata["kernel_workspaces"]`."""
