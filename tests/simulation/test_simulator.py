@@ -161,6 +161,15 @@ def test_a_weight_gradient_kernel_holds_what_it_reads_through_the_next_step_on_a
     est = simulate(side_by_side)
     assert est.peak_bytes == simulate(alone).peak_bytes + MB
     assert est.peak_step == "bwd relu"
+    # With an activation fused into d2 (its backward reads its own output), the
+    # activation's gradient reads d2's output gradient first, and the weights'
+    # gradient reads what that makes: d2's output gradient is freed as before.
+    fused = [dataclasses.replace(n, backward_reads=["relu:0", "d2:0"]) if n.id == "d2" else n
+             for n in mlp_graph()]
+    fused_alone = asked_for(dataclasses.replace(mlp_graph(), nodes=fused))
+    fused_side_by_side = dataclasses.replace(
+        fused_alone, metadata={**fused_alone.metadata, "concurrent_ops": True})
+    assert simulate(fused_side_by_side).peak_bytes == simulate(fused_alone).peak_bytes
 
 
 def chain(n: int, mb: float = 1.0) -> PlanGraph:

@@ -14,7 +14,7 @@ Sharing modes (the MXNet note's "memory cost estimation"):
         `PlanGraph.outputs_in_place`.
     "sharing": buffers are freed after their last reader and their memory is
         reused (TensorFlow's reference counting), plus in-place; where the
-        device runs ready operations side by side, what a weight gradient's
+        device runs ready operations side by side, what a weights' gradient
         kernel reads is freed after the next step (`_overlapped_frees`). The bytes are
         those of the chunks TensorFlow's BFC allocator hands out for them
         (`allocator.py`), which is what the device's peak statistic counts,
@@ -289,24 +289,39 @@ def _estimate(schedule: Schedule, sharing: str, allocator: str | None, keys: lis
 def _overlapped_frees(schedule: Schedule) -> dict[Key, int]:
     """The buffers freed a step later than their last reader's step when the
     device runs ready operations side by side (`"concurrent_ops"` in the
-    graph's metadata, a CPU's inter-op threads): those last read by the
-    backward of a call with weights, and that step's successor.
+    graph's metadata, a CPU's inter-op threads): what the weights' gradient
+    of a call's backward reads, when that backward is their last reader.
 
     Such a backward has two branches: the gradient of the call's input, which
     the next step waits for, and its weights' gradient, which only the update
     reads. The executor starts the next step on another thread while the
-    weights' gradient kernel still reads the call's input and output gradient
-    (the same overlap `extract` counts for that kernel's scratch). Profiled on
-    MobileNetV2 at 96 px under chen-sqrt's plan, `block_1_depthwise`'s padded
-    input (14.1 MiB) and its output gradient were still held when
-    `block_1_expand_BN`'s backward made its gradient, the measured peak. The
-    weights' gradient is not moved: the update reads it.
+    weights' gradient kernel still reads the call's inputs and the gradient of
+    its output (the same overlap `extract` counts for that kernel's scratch).
+    Profiled on MobileNetV2 at 96 px under chen-sqrt's plan,
+    `block_1_depthwise`'s padded input (14.1 MiB) and its output gradient were
+    still held when `block_1_expand_BN`'s backward made its gradient, the
+    measured peak. A call whose backward reads its own output (an activation
+    fused into it) hands its output gradient to the activation's gradient
+    first, and that one's result is what the weights' gradient reads, so its
+    output gradient is freed as before. A normalization layer's weights'
+    gradients are two reductions, over as much as its input's gradient reads:
+    short kernels, not counted (counting them put a U-Net plan 16 MiB and a
+    residual CNN's plain step 2.3 MiB further over their measured peaks).
     """
     last = len(schedule.labels) - 1
-    with_weights = {schedule.backward_step[node.id] for node in schedule.graph
-                    if node.param_bytes and node.id in schedule.backward_step}
+    held: dict[int, set[Any]] = {}  # backward step -> the buffers its weights' gradient reads
+    for node in schedule.graph:
+        if (not node.param_bytes or node.id not in schedule.backward_step
+                or node.class_name.endswith("Normalization")):
+            continue
+        names: set[Any] = {schedule.key_of(ref)[0] for ref in node.inputs}
+        outputs = {f"{node.id}:{k}" for k in range(len(node.outputs))}
+        if not outputs & set(node.backward_reads):
+            names |= {("grad", ref) for ref in outputs}
+            names |= {("grad", schedule.key_of(ref)[0]) for ref in outputs}
+        held[schedule.backward_step[node.id]] = names
     return {key: min(end + 1, last) for key, end in schedule.last_use.items()
-            if end in with_weights and key[0] != "wgrad"}
+            if end in held and (key[0] in held[end] or key[:2] in held[end])}
 
 
 def _summed_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]],
