@@ -316,8 +316,11 @@ def _overlapped_frees(schedule: Schedule) -> dict[Key, int]:
             continue
         names: set[Any] = {schedule.key_of(ref)[0] for ref in node.inputs}
         outputs = {f"{node.id}:{k}" for k in range(len(node.outputs))}
-        if not outputs & set(node.backward_reads):  # gradients are keyed by the output
-            names |= {("grad", ref) for ref in outputs}
+        if not outputs & set(node.backward_reads):
+            # The output's gradient: its partials' sum when it has several
+            # (the AddN that makes it frees them), else its one partial.
+            names |= {("grad-sum", ref) if ("grad-sum", ref) in schedule.size else ("grad", ref)
+                      for ref in outputs}
         held[schedule.backward_step[node.id]] = names
     return {key: min(end + 1, last) for key, end in schedule.last_use.items()
             if end in held and (key[0] in held[end] or key[:2] in held[end])}
