@@ -172,15 +172,17 @@ def test_a_weight_gradient_kernel_holds_what_it_reads_through_the_next_step_on_a
     assert simulate(fused_side_by_side).peak_bytes == simulate(fused_alone).peak_bytes
 
 
+def dense(name: str, source: str, mb: float) -> Node:
+    """A Dense call of `mb` MiB with weights, reading `source`'s output."""
+    return Node(name, name, "Dense", [f"{source}:0"], [t(mb)], backward_reads=[f"{source}:0"],
+                param_bytes=1024, flops_forward=10.0, flops_backward=20.0)
+
+
 def test_a_weight_gradient_kernel_holds_the_summed_gradient_of_an_output_read_twice():
     # d1's output (2 MiB) has two readers, a and b: its backward first sums
     # their two partial gradients (AddN, which frees them), and its weights'
     # gradient reads that sum, so the sum (not the partials) is still held
     # while d0's backward runs beside it, with d1's input (d0's, 1 MiB).
-    def dense(name: str, source: str, mb: float) -> Node:
-        return Node(name, name, "Dense", [f"{source}:0"], [t(mb)], backward_reads=[f"{source}:0"],
-                    param_bytes=1024, flops_forward=10.0, flops_backward=20.0)
-
     nodes = [Node("in", "in", "InputLayer", [], [t(1)]), dense("d0", "in", 1),
              dense("d1", "d0", 2), dense("a", "d1", 1), dense("b", "d1", 1),
              Node("add", "add", "Add", ["a:0", "b:0"], [t(1)], inplace=True)]
@@ -193,10 +195,7 @@ def test_a_weight_gradient_kernel_holds_the_summed_gradient_of_an_output_read_tw
 def chain(n: int, mb: float = 1.0) -> PlanGraph:
     nodes = [Node("in", "in", "InputLayer", [], [t(mb)])]
     for i in range(n):
-        prev = nodes[-1].id
-        nodes.append(Node(f"l{i}", f"l{i}", "Dense", [f"{prev}:0"], [t(mb)],
-                          backward_reads=[f"{prev}:0"], param_bytes=1024,
-                          flops_forward=10.0, flops_backward=20.0))
+        nodes.append(dense(f"l{i}", nodes[-1].id, mb))
     return PlanGraph(nodes, outputs=[f"{nodes[-1].id}:0"])
 
 

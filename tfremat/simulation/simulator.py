@@ -315,7 +315,7 @@ def _overlapped_frees(schedule: Schedule) -> dict[Key, int]:
                 or node.class_name.endswith("Normalization")):
             continue
         names: set[Any] = {schedule.key_of(ref)[0] for ref in node.inputs}
-        outputs = {f"{node.id}:{k}" for k in range(len(node.outputs))}
+        outputs = {node.output_ref(k) for k in range(len(node.outputs))}
         if not outputs & set(node.backward_reads):
             # The output's gradient: its partials' sum when it has several
             # (the AddN that makes it frees them), else its one partial.
