@@ -6,13 +6,15 @@ before each step, and more as steps go on: an SGD update (`AssignSubVariableOp`)
 whose variable is still read by the forward pass's read of it copies the
 variable into a new buffer, which the allocator places in a free chunk of up to
 twice its size (docs/how-it-works.md, "The update copies the variable"). With
-updates in the backward pass the update waits for the unit's input gradients,
-and copies nothing.
+updates in the backward pass, or the order pinned, the update waits for the
+unit's input gradients, and copies nothing.
 
 For each model of `planners.py` named (same sizes, SGD) and each variant (the
-plain step, or a row of `planners.PLANNERS` planned at its minimum budget), the
-plan is made in a process of its own (which extracts the graph and records the
-simulator's persistent bytes and predicted peak), then measured in a fresh
+plain step; a row of `planners.PLANNERS` planned at its minimum budget; that plan
+with its backward order pinned, `Plan.pin_order`, when the variant ends in
+" (pinned)"), the plan is made in a process of its own (which extracts the
+graph and records the simulator's persistent bytes and predicted peak), then
+measured in a fresh
 process holding the model only: the bytes in use once the model is built
 (against its variables' bytes), once the batch is made, and after each of
 `--steps` steps, with each step's peak and the peak less the bytes in use
@@ -20,8 +22,8 @@ before it (the step's own bytes, which the simulator predicts as its peak less
 its persistent bytes).
 
 Usage:
-    python benchmarks/step_drift.py [--models ResNet152] [--variants plain,chen-greedy]
-        [--steps 6]
+    python benchmarks/step_drift.py [--models ResNet152]
+        [--variants "plain,chen-greedy,chen-greedy (pinned)"] [--steps 6]
 
 Writes benchmarks/results/step_drift.md and step_drift.json.
 """
@@ -29,6 +31,7 @@ Writes benchmarks/results/step_drift.md and step_drift.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,18 +44,23 @@ from planners import (MIB, MODELS, PLANNERS, RESULTS, build_model,  # noqa: E402
                       compile_like_original, json_from_process, model_names,
                       plan_at_minimum, run_header)
 
-DEFAULT_VARIANTS = "plain,chen-greedy,approx-dp (memory) + updates"
+DEFAULT_VARIANTS = "plain,chen-sqrt,chen-sqrt (pinned),chen-sqrt + updates"
+PINNED = " (pinned)"
 
 
 def plan_worker(name: str, variant: str, path: str) -> None:
     """Extracts `name`'s graph, plans `variant` at its minimum (none for
-    "plain") and writes the plan to `path`; prints the simulator's figures."""
+    "plain"; pinned for a variant ending in `PINNED`) and writes the plan to
+    `path`; prints the simulator's figures."""
     from tfremat.graph import extract
     from tfremat.simulation import simulate
 
     model, batch = build_model(name)
     graph = extract(model, batch_size=batch)
-    plan = None if variant == "plain" else plan_at_minimum(graph, variant)
+    row = variant.removesuffix(PINNED)
+    plan = None if row == "plain" else plan_at_minimum(graph, row)
+    if plan is not None and variant.endswith(PINNED):
+        plan = dataclasses.replace(plan, pin_order=True)
     if plan is not None:
         plan.to_json(path)
     estimate = simulate(graph, plan)
@@ -144,7 +152,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="ResNet152")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="Comma-separated: plain, or rows of planners.py.")
+                        help="Comma-separated: plain, or rows of planners.py, each "
+                        f"maybe ending in {PINNED!r}.")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--plan-worker", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--measure-worker", nargs=3, help=argparse.SUPPRESS)
@@ -157,7 +166,7 @@ def main() -> None:
         measure_worker(name, path, int(steps))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v != "plain" and v not in PLANNERS]
+    unknown = [v for v in variants if v.removesuffix(PINNED) not in ("plain", *PLANNERS)]
     if unknown:
         parser.error(f"Unknown variant(s) {unknown}; choose plain or from {list(PLANNERS)}.")
     data = run_header(__file__, 1, args.steps)

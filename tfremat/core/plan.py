@@ -192,7 +192,10 @@ class Plan:
             segment; on a subclassed model, of each recomputed sublayer call)
             hands its input gradients on only once its weight
             gradients are complete, so the next one's kernels cannot run
-            beside them (see docs/how-it-works.md, "Pinning the order").
+            beside them, and its weight gradients only once its input
+            gradients are, so the optimizer's updates write the weights in
+            place instead of copying them (see docs/how-it-works.md,
+            "Pinning the order").
             Implied by `update_in_backward` while the updates run. Predicted
             as the unpinned step (pinned steps measured both lower and higher).
         node_ids: The ids of the planned graph's nodes, in its order (set by
