@@ -136,8 +136,8 @@ def markdown(data: dict[str, Any]) -> str:
                   "bytes: median (predicted) |",
                   "|---|---|---:|---|---|---|---|"]
         for r in rows:
-            plan = (f" ({r['segments']} segments{', updates in the backward pass' if r['updates'] else ''})"
-                    if r["variant"] != "plain" else "")
+            updates = ", updates in the backward pass" if r["updates"] else ""
+            plan = f" ({r['segments']} segments{updates})" if r["variant"] != "plain" else ""
             lines.append(
                 f"| {r['variant']}{plan} | {r['predicted_mib']:.1f} ({r['persistent_mib']:.1f}) "
                 f"| {r['variables_mib']:.1f} | {r['built_mib']:.1f}, {r['with_batch_mib']:.1f} "

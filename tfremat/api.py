@@ -183,8 +183,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         pin_order: Pin the backward pass to the simulator's order
             (`Plan.pin_order`): each layer's weight gradients before the next
             layer's backward, and each weight's update after the kernels
-            that read the weight in the backward pass. True, False, or `"auto"` (the default): pinned
-            when TensorFlow runs the step on one inter-op thread (set by
+            that read the weight in the backward pass. True, False, or
+            `"auto"` (the default): pinned when TensorFlow runs the step on
+            one inter-op thread (set by
             `tf.config.threading.set_inter_op_parallelism_threads(1)`,
             `TF_NUM_INTEROP_THREADS=1` or a one-CPU machine), where an
             unpinned plan saves almost nothing, and in the scope of a
