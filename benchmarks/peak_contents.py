@@ -52,13 +52,12 @@ def memory_events(name: str, directory: str, updates: bool
     name), in picoseconds. With `updates`, the step runs the optimizer's
     updates in the backward pass (a plan without recomputation)."""
     import tensorflow as tf
-    from planners import build_model, compile_like_original
+    from planners import build_model, compile_like_original, synthetic_xy
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     from tfremat.api import rewrite
     from tfremat.core import Plan
-    from tfremat.graph import batch_specs, extract, step_function, trace
-    from tfremat.memory import synthetic_batch
+    from tfremat.graph import extract, step_function
 
     model, batch = build_model(name)
     if updates:
@@ -66,10 +65,7 @@ def memory_events(name: str, directory: str, updates: bool
         plan = Plan.from_segments(graph, [], planner="none", update_in_backward=True)
         model = rewrite(model, plan)
         compile_like_original(model)
-    x_spec, y_spec = batch_specs(model, batch_size=batch)
-    if y_spec is None:
-        y_spec = trace(model, batch_size=batch).input_specs[1]
-    x, y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
+    x, y = synthetic_xy(model, batch)
     step = tf.function(step_function(model))
     step(x, y)
     step(x, y)

@@ -118,6 +118,18 @@ def compile_like_original(model: Any) -> None:
 # -- the worker: one model, in its own process ----------------------------------
 
 
+def synthetic_xy(model: Any, batch_size: int) -> tuple[Any, Any]:
+    """A batch `(x, y)` of random floats (and zeros for integers) of the
+    shapes of `model`'s inputs and targets."""
+    from tfremat.graph import batch_specs, trace
+    from tfremat.memory import synthetic_batch
+
+    x_spec, y_spec = batch_specs(model, batch_size=batch_size)
+    if y_spec is None:
+        y_spec = trace(model, batch_size=batch_size).input_specs[1]
+    return synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
+
+
 class Runner:
     """A compiled training step of one model on a fixed batch: `data`, `(x, y)`
     arrays, or random floats (and zeros for integers) of the model's shapes."""
@@ -125,16 +137,13 @@ class Runner:
     def __init__(self, model: Any, batch_size: int, data: Any = None) -> None:
         import tensorflow as tf
 
-        from tfremat.graph import batch_specs, step_function, trace
-        from tfremat.memory import allocator_copy, synthetic_batch
+        from tfremat.graph import step_function
+        from tfremat.memory import allocator_copy
 
         if data is not None:
             self.x, self.y = allocator_copy(tuple(data))
         else:
-            x_spec, y_spec = batch_specs(model, batch_size=batch_size)
-            if y_spec is None:
-                y_spec = trace(model, batch_size=batch_size).input_specs[1]
-            self.x, self.y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
+            self.x, self.y = synthetic_xy(model, batch_size)
         self.step = tf.function(step_function(model))
         self()
 

@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from planners import (MIB, MODELS, PLANNERS, RESULTS, build_model,  # noqa: E402
                       compile_like_original, json_from_process, model_names,
-                      plan_at_minimum, run_header)
+                      plan_at_minimum, run_header, synthetic_xy)
 
 DEFAULT_VARIANTS = "plain,chen-sqrt,chen-sqrt (pinned),chen-sqrt + updates"
 PINNED = " (pinned)"
@@ -79,8 +79,7 @@ def measure_worker(name: str, path: str, steps: int) -> None:
     from tfremat.api import rewrite
     from tfremat.backend import device_name
     from tfremat.core import Plan
-    from tfremat.graph import batch_specs, step_function, trace
-    from tfremat.memory import synthetic_batch
+    from tfremat.graph import step_function
 
     device = device_name()
 
@@ -93,10 +92,7 @@ def measure_worker(name: str, path: str, steps: int) -> None:
         model = rewrite(model, Plan.from_json(path))
         compile_like_original(model)
     built = in_use()
-    x_spec, y_spec = batch_specs(model, batch_size=batch)
-    if y_spec is None:
-        y_spec = trace(model, batch_size=batch).input_specs[1]
-    x, y = synthetic_batch(x_spec, 1), synthetic_batch(y_spec, 2)
+    x, y = synthetic_xy(model, batch)
     with_batch = in_use()
     step = tf.function(step_function(model))
     before, peaks = [], []

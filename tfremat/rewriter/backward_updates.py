@@ -404,7 +404,7 @@ class BackwardOrder(BackwardUpdates):
             return input_grads, var_grads
         reads = [_dense(g) for g in input_grads if g is not None]
         with tf.control_dependencies(reads):
-            held = [None if g is None else _waiting(g) for g in var_grads]
+            held = [None if g is None else tf.identity(g) for g in var_grads]
         with tf.control_dependencies(waits):
             input_grads = [None if g is None else tf.identity(g) for g in input_grads]
         return input_grads, held
@@ -413,14 +413,6 @@ class BackwardOrder(BackwardUpdates):
 def _dense(grad: Any) -> Any:
     """The tensor of a gradient's values (an `IndexedSlices`' values)."""
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
-
-
-def _waiting(grad: Any) -> Any:
-    """`grad` through `tf.identity`, under the control dependencies in scope
-    (an `IndexedSlices` keeps its indices, its values pass through)."""
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.identity(grad.values), grad.indices, grad.dense_shape)
-    return tf.identity(grad)
 
 
 def update_in_training_steps(model: keras.Model, updates: BackwardUpdates) -> None:
