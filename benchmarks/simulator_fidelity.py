@@ -8,6 +8,10 @@ Prints a markdown table and writes benchmarks/results/simulator_fidelity.md.
 
     python benchmarks/simulator_fidelity.py            # the default set, a model per family
     python benchmarks/simulator_fidelity.py --runs 5 ResNet50:96:16
+    python benchmarks/simulator_fidelity.py --optimizers  # OPTIMIZERS on OPTIMIZER_CASES
+
+A case may name its optimizer as a fourth field (`VGG19:96:16:momentum`, a key of
+`OPTIMIZERS`; SGD otherwise).
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ FAMILIES = ["ConvNeXtTiny:96:16", "EfficientNetV2B0:96:16", "InceptionResNetV2:9
             "MobileNet:96:16", "MobileNetV3Small:96:16", "NASNetMobile:96:16",
             "ResNet50V2:96:16", "Xception:96:16"]
 TIMING_MODELS = ["ResNet50:96:16", "ResNet152:96:16"]
+#: Optimizers a case may name: a `keras.optimizers` class and its arguments.
+OPTIMIZERS = {"sgd": ("SGD", {"learning_rate": 0.01}),
+              "momentum": ("SGD", {"learning_rate": 0.01, "momentum": 0.9}),
+              "adam": ("Adam", {}), "rmsprop": ("RMSprop", {})}
+#: The models `--optimizers` runs with each of `OPTIMIZERS`: `planners.py`'s sizes.
+OPTIMIZER_CASES = ["ResNet50:96:16", "VGG19:96:16", "MobileNetV2:96:16", "DenseNet121:96:16"]
 
 
 def measure_one(case: str) -> dict:
@@ -38,10 +48,12 @@ def measure_one(case: str) -> dict:
 
     import tfremat
 
-    name, px, batch = case.split(":")
+    name, px, batch, *named = case.split(":")
     model = getattr(keras.applications, name)(
         weights=None, input_shape=(int(px), int(px), 3), classes=10)
-    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    kind, kwargs = OPTIMIZERS[named[0] if named else "sgd"]
+    optimizer = getattr(keras.optimizers, kind)(**kwargs)
+    model.compile(optimizer=optimizer, loss="categorical_crossentropy")
     started = time.perf_counter()
     graph = tfremat.extract(model, batch_size=int(batch))
     extract_s = time.perf_counter() - started
@@ -76,8 +88,14 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", help="model:px:batch (default: a model per family)")
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per model")
+    parser.add_argument("--optimizers", action="store_true",
+                        help="each of OPTIMIZERS on OPTIMIZER_CASES (written to "
+                             "simulator_fidelity_optimizers.md)")
     args = parser.parse_args(argv)
-    cases = args.cases or list(dict.fromkeys(CASES + FAMILIES + TIMING_MODELS))
+    if args.optimizers:
+        cases = [f"{c}:{o}" for c in args.cases or OPTIMIZER_CASES for o in OPTIMIZERS]
+    else:
+        cases = args.cases or list(dict.fromkeys(CASES + FAMILIES + TIMING_MODELS))
     runs: dict[str, list[dict]] = {case: [] for case in cases}
     # Round-robin: a slow drift of the machine spreads over every model alike.
     for i in range(args.runs):
@@ -87,8 +105,9 @@ def main(argv: list[str]) -> None:
     lines = [
         "# Simulator fidelity: predicted vs measured peak of one training step",
         "",
-        f"`python benchmarks/simulator_fidelity.py` on {machine()}, "
-        f"device {runs[cases[0]][0]['device']}; SGD, categorical "
+        f"`python benchmarks/simulator_fidelity.py{' --optimizers' if args.optimizers else ''}`"
+        f" on {machine()}, device {runs[cases[0]][0]['device']}; "
+        f"{'the optimizer named last' if args.optimizers else 'SGD'} (`OPTIMIZERS`), categorical "
         "cross-entropy, keras.applications with weights=None and 10 classes. Measured: "
         "`get_memory_info(device)['peak']` after `reset_memory_stats`, the larger of two "
         f"steps after a warm-up, each model alone in a fresh process, {args.runs} "
@@ -97,7 +116,7 @@ def main(argv: list[str]) -> None:
         "Error: predicted against the median measured. Peaks include weights, optimizer "
         "state and the batch.",
         "",
-        "| model:px:batch | nodes | predicted MiB | measured MiB, median | range "
+        f"| model:px:batch{':optimizer' if args.optimizers else ''} | nodes | predicted MiB | measured MiB, median | range "
         "| error | persistent MiB | extract s | simulate ms |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
@@ -126,7 +145,8 @@ def main(argv: list[str]) -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    path = os.path.join(os.path.dirname(__file__), "results", "simulator_fidelity.md")
+    path = os.path.join(os.path.dirname(__file__), "results", "simulator_fidelity"
+                        + ("_optimizers" if args.optimizers else "") + ".md")
     with open(path, "w") as f:
         f.write(text)
 

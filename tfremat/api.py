@@ -191,10 +191,12 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             unpinned plan saves almost nothing, and in the scope of a
             `MultiWorkerMirroredStrategy`, where nothing measures the plan
             and pinned peaks were steadier (docs/scaling.md). Elsewhere
-            steadier peaks on some models, higher ones on others; predicted
-            as the unpinned step (docs/how-it-works.md, "Pinning the
-            order"). On a subclassed model, the recomputed sublayer calls are
-            pinned.
+            steadier peaks on some models, higher ones on others. A pinned
+            plan is planned and predicted with each unit's update right after
+            its backward pass, where TensorFlow then runs it
+            (`tfremat.simulation.updates_follow_units`; docs/how-it-works.md,
+            "Pinning the order"). On a subclassed model, the recomputed
+            sublayer calls are pinned.
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.
 
@@ -261,7 +263,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             def made_with(updates: bool) -> Plan:
                 return make_plan(graph, budget_bytes, planner=planner, objective=objective,
                                  time_limit=time_limit, verbose=verbose,
-                                 update_in_backward=updates, **settings)
+                                 update_in_backward=updates, pin_order=pin_order, **settings)
 
             try:
                 made = made_with(updates)
@@ -271,7 +273,6 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
                 # "auto" chose them, yet their own workspace can raise a floor.
                 made, note = _without_updates(made_with, with_updates)
             made.update_note = note
-            made.pin_order = pin_order
             return made
 
         def bare(like: Plan) -> Plan:

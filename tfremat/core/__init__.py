@@ -13,8 +13,9 @@ from tfremat.core.errors import (MIB, BackendError, BudgetError, PlanMismatchErr
 from tfremat.core.graph import (Node, PlanGraph, TensorInfo, dtype_size, split_ref,
                                 structure_fingerprint)
 from tfremat.core.plan import (Offload, Plan, PlanEstimate, PlanPlots, PlanViews, Segment,
-                               recompute_units, set_plan_plots, set_plan_views,
-                               updates_in_backward, with_updates_in_backward)
+                               pins_order, recompute_units, set_plan_plots, set_plan_views,
+                               updates_in_backward, with_pinned_order,
+                               with_updates_in_backward)
 from tfremat.core.arguments import budget_unit_hint, check_count
 from tfremat.core.interrupts import interrupts_deferred
 from tfremat.core.validation import is_convex, shared_layer_groups, validate_plan
@@ -25,8 +26,8 @@ __all__ = [
     "PlanGraph", "PlanMismatchError", "PlanPlots", "PlanValidationError", "PlanViews",
     "Segment", "TensorInfo", "TfrematError", "UnsupportedModelError", "budget_unit_hint",
     "check_count", "dtype_size",
-    "interrupts_deferred", "is_convex",
+    "interrupts_deferred", "is_convex", "pins_order",
     "recompute_units", "set_plan_plots", "set_plan_views", "shared_layer_groups", "split_ref",
     "structure_fingerprint", "updates_in_backward", "validate_plan", "warn",
-    "with_updates_in_backward",
+    "with_pinned_order", "with_updates_in_backward",
 ]

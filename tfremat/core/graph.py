@@ -202,6 +202,11 @@ class PlanGraph:
             `"optimizer"` (slots), `"other"` (non-trainable variables, counters),
             `"batch"` (the input batch and targets).
         update_workspace_bytes: Peak transient memory of the optimizer update.
+        update_early_bytes: Bytes of the optimizer update's results that do
+            not wait for a gradient (SGD with momentum's `m * momentum`,
+            RMSprop's `rho * velocity`, one per variable): TensorFlow computes
+            them as the step starts and each is held until its variable's
+            gradient reaches the update.
         loss_workspace_bytes: Peak transient memory of the loss and its gradient.
         outputs: References of the model outputs (the loss reads them).
         outputs_in_place: The outputs whose gradient the loss writes into the
@@ -228,6 +233,7 @@ class PlanGraph:
     nodes: list[Node]
     persistent_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     update_workspace_bytes: int = 0
+    update_early_bytes: int = 0
     loss_workspace_bytes: int = 0
     outputs: list[str] = dataclasses.field(default_factory=list)
     outputs_in_place: list[str] = dataclasses.field(default_factory=list)
@@ -353,6 +359,7 @@ class PlanGraph:
             "fingerprint": self.fingerprint(),
             "persistent_bytes": dict(self.persistent_bytes),
             "update_workspace_bytes": self.update_workspace_bytes,
+            "update_early_bytes": self.update_early_bytes,
             "loss_workspace_bytes": self.loss_workspace_bytes,
             "outputs": list(self.outputs),
             "outputs_in_place": list(self.outputs_in_place),
@@ -389,6 +396,7 @@ class PlanGraph:
             nodes=nodes,
             persistent_bytes=dict(data.get("persistent_bytes", {})),
             update_workspace_bytes=data.get("update_workspace_bytes", 0),
+            update_early_bytes=data.get("update_early_bytes", 0),
             loss_workspace_bytes=data.get("loss_workspace_bytes", 0),
             outputs=list(data.get("outputs", [])),
             outputs_in_place=list(data.get("outputs_in_place", [])),

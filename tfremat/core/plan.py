@@ -197,7 +197,10 @@ class Plan:
             place instead of copying them (see docs/how-it-works.md,
             "Pinning the order").
             Implied by `update_in_backward` while the updates run. Predicted
-            as the unpinned step (pinned steps measured both lower and higher).
+            with each unit's update right after its backward pass, as with
+            updates in the backward pass, on a functional model whose
+            gradients do not wait for an all-reduce
+            (`tfremat.simulation.updates_follow_units`).
         node_ids: The ids of the planned graph's nodes, in its order (set by
             `from_segments`). With them the plan applies to a model of the
             same structure whose layers are named otherwise (`for_graph`);
@@ -235,10 +238,12 @@ class Plan:
 
         The plan runs updates in the backward pass when the graph was marked
         for them (`with_updates_in_backward`), unless `update_in_backward` is
-        given.
+        given, and pins the order when it was marked so (`with_pinned_order`),
+        unless `pin_order` is given.
         """
         segs = [s if isinstance(s, Segment) else Segment(list(s)) for s in segments]
         kwargs.setdefault("update_in_backward", updates_in_backward(graph))
+        kwargs.setdefault("pin_order", pins_order(graph))
         return cls(graph_fingerprint=graph.fingerprint(), segments=segs,
                    node_ids=[n.id for n in graph], **kwargs)
 
@@ -481,6 +486,10 @@ class Plan:
 #: backward pass (`with_updates_in_backward`).
 UPDATES_KEY = "update_in_backward"
 
+#: The `PlanGraph.metadata` key marking a graph planned with a pinned backward
+#: order (`with_pinned_order`).
+PIN_KEY = "pin_order"
+
 
 def with_updates_in_backward(graph: PlanGraph, on: bool = True) -> PlanGraph:
     """`graph`, marked so that plans made for it (and simulations of it without
@@ -498,17 +507,45 @@ def with_updates_in_backward(graph: PlanGraph, on: bool = True) -> PlanGraph:
         A new PlanGraph with the same nodes; `graph` itself when it already
         carries that mark.
     """
-    if updates_in_backward(graph) == on:
-        return graph
-    metadata = {k: v for k, v in graph.metadata.items() if k != UPDATES_KEY}
-    if on:
-        metadata[UPDATES_KEY] = True
-    return dataclasses.replace(graph, metadata=metadata)
+    return _marked(graph, UPDATES_KEY, on)
 
 
 def updates_in_backward(graph: PlanGraph) -> bool:
     """Whether `graph` is marked by `with_updates_in_backward`."""
     return bool(graph.metadata.get(UPDATES_KEY, False))
+
+
+def with_pinned_order(graph: PlanGraph, on: bool = True) -> PlanGraph:
+    """`graph`, marked so that plans made for it pin the backward pass's order
+    (`Plan.pin_order`), and are simulated so.
+
+    Like `with_updates_in_backward`: `Plan.from_segments` reads the mark, and
+    the structure, and so the fingerprint, is unchanged.
+
+    Args:
+        graph: A PlanGraph.
+        on: Mark (True) or unmark (False).
+
+    Returns:
+        A new PlanGraph with the same nodes; `graph` itself when it already
+        carries that mark.
+    """
+    return _marked(graph, PIN_KEY, on)
+
+
+def pins_order(graph: PlanGraph) -> bool:
+    """Whether `graph` is marked by `with_pinned_order`."""
+    return bool(graph.metadata.get(PIN_KEY, False))
+
+
+def _marked(graph: PlanGraph, key: str, on: bool) -> PlanGraph:
+    """`graph` with its metadata's `key` set to True (`on`) or absent."""
+    if bool(graph.metadata.get(key, False)) == on:
+        return graph
+    metadata = {k: v for k, v in graph.metadata.items() if k != key}
+    if on:
+        metadata[key] = True
+    return dataclasses.replace(graph, metadata=metadata)
 
 
 def recompute_units(graph: PlanGraph, segments: list[Segment]) -> list[Segment]:

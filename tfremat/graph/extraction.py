@@ -168,13 +168,10 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
     for i in range(traced.forward_end, traced.backward_start):
         owner[i] = LOSS
     # After the backward pass: the update, whose ops depend (by data or
-    # control) on a gradient op, and the metrics, whose ops do not.
-    waits = [traced.backward_start <= i < traced.backward_end for i in range(n)]
+    # control) on a gradient op or feed ops that do, and the metrics.
+    waits, feeds = _waiting_for_gradients(traced, flow)
     for i in range(traced.backward_end, n):
-        op = flow.ops[i]
-        waits[i] = any(waits[flow.index[t.op.name]] for t in op.inputs) or any(
-            waits[flow.index[c.name]] for c in op.control_inputs)
-        owner[i] = UPDATE if waits[i] else METRICS
+        owner[i] = UPDATE if waits[i] or feeds[i] else METRICS
     # Backward ops: "gradient_tape/<forward op or scope>/..." names the forward
     # op whose gradient they compute. A recompute inside a call (`keras.remat`,
     # `tf.recompute_grad`) runs the call's sublayers again in the backward
@@ -231,6 +228,50 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
         else:
             following = owner[i]
     return owner
+
+
+def _waiting_for_gradients(traced: TracedStep, flow: _Dataflow
+                           ) -> tuple[list[bool], list[bool]]:
+    """For each op of the step: whether it depends (by data or control) on a
+    gradient op; and, of the ops after the backward pass that do not, whether
+    one that does reads their results (the optimizer's `m * momentum`)."""
+    n = len(traced.ops)
+    waits = [traced.backward_start <= i < traced.backward_end for i in range(n)]
+    for i in range(traced.backward_end, n):
+        op = flow.ops[i]
+        waits[i] = any(waits[flow.index[t.op.name]] for t in op.inputs) or any(
+            waits[flow.index[c.name]] for c in op.control_inputs)
+    feeds = [False] * n
+    for i in range(n - 1, traced.backward_end - 1, -1):
+        if waits[i]:
+            continue
+        readers = (c for j in range(len(flow.ops[i].outputs))
+                   for c in flow.readers[flow.root[(i, j)]])
+        feeds[i] = any(waits[c] or feeds[c] for c in readers if c > i)
+    return waits, feeds
+
+
+def _early_update_buffers(traced: TracedStep, flow: _Dataflow) -> frozenset[_Root]:
+    """The buffers the update makes before any gradient exists and hands to
+    its ops that wait for one (`PlanGraph.update_early_bytes`).
+
+    Keras's SGD with momentum computes `m * momentum` from the slot alone, and
+    RMSprop `rho * velocity`: the executor runs them as the step starts, and
+    each is held until its gradient arrives. Measured (the profiler's memory
+    events, `benchmarks/peak_contents.py`'s replay): VGG19 at 96 px, batch 16,
+    SGD with momentum 0.9, every such product live at the step's peak beside
+    the whole forward pass.
+    """
+    waits, feeds = _waiting_for_gradients(traced, flow)
+    found = set()
+    for i in range(traced.backward_end, len(traced.ops)):
+        if not feeds[i] or i in flow.dead:
+            continue
+        for j in range(len(flow.ops[i].outputs)):
+            root = flow.root[(i, j)]
+            if root == (i, j) and any(waits[c] for c in flow.readers[root]):
+                found.add(root)
+    return frozenset(found)
 
 
 def _scratch_spans(positions: list[int], local: dict[int, int],
@@ -357,12 +398,14 @@ def _saved_apart(positions: set[int], outputs: list[_Root], saved: set[_Root],
 
 
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
-                         is_temporary: Any, carried: int = 0) -> int:
+                         is_temporary: Any, carried: int = 0,
+                         counted: frozenset[_Root] = frozenset()) -> int:
     """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
     each alive from its op to its last reader among `positions`, and of the
     scratch of their kernels, alive while each runs; `carried`: scratch of an
     earlier kernel that may still run throughout. At most `flow.threads`
-    kernels hold scratch at once.
+    kernels hold scratch at once. Buffers in `counted` are counted elsewhere
+    (none of them is a temporary).
 
     An elementwise op whose temporary input dies at it writes into that input's
     buffer, as TensorFlow's kernels do when they own the only reference. So
@@ -384,7 +427,7 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     delta = [0] * (len(positions) + 1)
     last: dict[_Root, int] = {}
     first = min(positions)
-    outside: set[_Root] = set()
+    outside: set[_Root] = set(counted)
     kernels = [(start, end, flow.scratch[p])
                for p, (start, end) in _scratch_spans(positions, local, flow).items()]
     if carried:
@@ -653,7 +696,9 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         positions[METRICS], flow, lambda r: all(owner[c] == METRICS for c in flow.readers[r]))
     outputs_in_place = sorted({out_ref[home] for home in outliving
                                if home[0] not in made_at_loss and home in out_ref})
-    update_ws = _peak_of_temporaries(update_pos, flow, lambda r: True)
+    early = _early_update_buffers(traced, flow)
+    update_ws = _peak_of_temporaries(update_pos, flow, lambda r: r not in early,
+                                     counted=early)
     output_refs = traced.output_refs or _dynamic_outputs(owner, flow, out_ref)
 
     persistent = {
@@ -664,7 +709,9 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
     }
     return PlanGraph(
         nodes=nodes, persistent_bytes=persistent,
-        update_workspace_bytes=update_ws, loss_workspace_bytes=loss_ws + metrics_ws,
+        update_workspace_bytes=update_ws,
+        update_early_bytes=sum(flow.size.get(r, 0) for r in early),
+        loss_workspace_bytes=loss_ws + metrics_ws,
         outputs=output_refs, outputs_in_place=outputs_in_place, name=model.name,
         metadata={
             "batch_shape": [list(s.shape) for s in x_flat],

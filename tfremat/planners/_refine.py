@@ -134,13 +134,17 @@ def _isolations(graph: PlanGraph, segments: list[Segment], schedule: Schedule, p
             yield isolated
 
 
+#: Keys of the schedule's buffers that no forward call makes (`Schedule`).
+_NOT_FORWARD = ("grad", "grad-sum", "wgrad", "update early")
+
+
 def _live_checkpoints(schedule: Schedule, step: int) -> list[tuple[str, str]]:
     """`(producer, last backward reader)` of the forward buffers kept through
     `step`, largest first."""
     found = []
     for key, start in schedule.alloc_step.items():
         if (start >= schedule.loss_step or schedule.last_use[key] < step
-                or not schedule.size[key] or key[0] in ("grad", "grad-sum", "wgrad")):
+                or not schedule.size[key] or key[0] in _NOT_FORWARD):
             continue
         reader = _node_of(schedule.labels[schedule.last_use[key]])
         if reader is None:
@@ -158,7 +162,7 @@ def _live_recomputed(schedule: Schedule, step: int) -> list[tuple[str, str]]:
     for key, start in schedule.alloc_step.items():
         last = schedule.last_use[key]
         if (start <= schedule.loss_step or not start <= step < last
-                or not schedule.size[key] or key[0] in ("grad", "grad-sum", "wgrad")
+                or not schedule.size[key] or key[0] in _NOT_FORWARD
                 or not schedule.labels[last].startswith("bwd ")):
             continue
         producer = key[0].split("#", 1)[0].rsplit(":", 1)[0]

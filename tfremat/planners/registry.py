@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Callable
 
 from tfremat.core import (BudgetError, Plan, PlanGraph, budget_unit_hint, warn,
-                          with_updates_in_backward)
+                          with_pinned_order, with_updates_in_backward)
 from tfremat.planners import toolkit as seg
 from tfremat.planners._progress import progress
 from tfremat.planners.chen import chen_drop_cheap, chen_greedy, chen_recursive, chen_sqrt
@@ -44,6 +44,7 @@ OFFLOAD_LADDER = (0.0, 0.25, 0.5)
 def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
               objective: str = "time", time_limit: float | None = 60.0,
               verbose: int = 0, offload: bool = True, update_in_backward: bool = False,
+              pin_order: bool = False,
               **settings: Any) -> Plan:
     """Plans recomputation (and host offload) for `graph` under a device budget.
 
@@ -76,6 +77,10 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
             pass (`Plan.update_in_backward`): every plan is simulated with each
             weight gradient freed by its update, so the planners reach the
             lower floor. The plan returned carries the setting.
+        pin_order: Plan for a pinned backward order (`Plan.pin_order`):
+            every plan is simulated with the updates it times
+            (`tfremat.simulation.updates_follow_units`). The plan returned
+            carries the setting.
         **settings: Settings of the chosen planner (for "auto": those named in
             `SWAP_SETTINGS` go to the swap planner, the others to the
             approximate DP).
@@ -100,8 +105,9 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
     if planner != "auto" and planner not in PLANNERS:
         raise ValueError(f"Unknown planner {planner!r}; choose 'auto' or one of "
                          f"{sorted(PLANNERS)}.")
-    # Plans made for the marked graph run their updates in the backward pass.
-    marked = with_updates_in_backward(graph, update_in_backward)
+    # Plans made for the marked graph run their updates in the backward pass
+    # and pin the order as asked.
+    marked = with_pinned_order(with_updates_in_backward(graph, update_in_backward), pin_order)
     try:
         if planner == "auto":
             plan = _auto(marked, budget_bytes, objective, time_limit, verbose, offload,

@@ -157,7 +157,8 @@ def swap(graph: PlanGraph, budget_bytes: int, *, base_plan: Plan | None = None,
     plan = Plan(graph_fingerprint=graph.fingerprint(), budget_bytes=budget_bytes,
                 planner="swap", settings=settings, segments=list(base.segments),
                 offloaded=offloads(), estimates=est.plan_estimate(with_time=True),
-                update_in_backward=base.update_in_backward, node_ids=[n.id for n in graph])
+                update_in_backward=base.update_in_backward, pin_order=base.pin_order,
+                node_ids=[n.id for n in graph])
     plan.validate(graph)
     return plan
 

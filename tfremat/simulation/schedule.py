@@ -9,8 +9,13 @@ own backward reads), then its backward. With updates in the backward pass
 (`Plan.update_in_backward`), the optimizer update of a layer call runs right
 after its backward step and that of a segment after the segment's backward,
 each freeing its weight gradients at once (layers called from several units
-are still updated at the end). Every buffer is recorded with the step that makes
-it and the steps that read it; `simulator.py` turns that into memory, and
+are still updated at the end). A pinned order (`Plan.pin_order`) times the
+updates the same way (`updates_follow_units`). Otherwise each update starts
+once its gradient exists (its workspace counts there) and frees the gradient
+`GRADIENT_LIFETIME_STEPS` later. What the update computes before any gradient
+(`PlanGraph.update_early_bytes`) lives from the first step until its
+gradient is freed. Every buffer is recorded with the step that makes it and
+the steps that read it; `simulator.py` turns that into memory, and
 `transfers.py` turns the step times into a timeline with host copies.
 
 No TensorFlow import: planners call this in loops.
@@ -23,7 +28,8 @@ import heapq
 from collections import Counter
 from typing import Union
 
-from tfremat.core import Node, Plan, PlanGraph, Segment, recompute_units, updates_in_backward
+from tfremat.core import (Node, Plan, PlanGraph, Segment, pins_order, recompute_units,
+                          updates_in_backward)
 from tfremat.simulation.transfers import DEVICE_FLOPS, node_seconds
 
 Key = tuple
@@ -49,6 +55,31 @@ def gradient_lifetime(graph: PlanGraph) -> int | None:
     concatenates all of them, so none is freed before the update.
     """
     return None if graph.metadata.get("replicas", 1) > 1 else GRADIENT_LIFETIME_STEPS
+
+
+def updates_follow_units(graph: PlanGraph, plan: Plan | None) -> bool:
+    """Whether the optimizer update of each unit of `graph`'s step under `plan`
+    (`graph`'s marks without one) runs right after the unit's backward pass,
+    freeing its weight gradients.
+
+    With updates in the backward pass they run there. A pinned order
+    (`Plan.pin_order`) runs them at the same time on a functional model whose
+    gradients are freed before the update of the last one
+    (`gradient_lifetime`): TensorFlow runs each variable's update once its
+    gradient exists, and the pinned gradient exists once the unit's input
+    gradients do (`tfremat.rewriter.BackwardOrder`). Measured: ResNet50's
+    sqrt(n) plan, pinned, 197.3 MiB in five fresh processes, as the same plan
+    with updates in the backward pass. A subclassed model pins only its
+    recomputed sublayer calls.
+    """
+    if plan is None:
+        return updates_in_backward(graph) or pins_order(graph) and _pinned_units(graph)
+    return plan.update_in_backward or plan.pin_order and _pinned_units(graph)
+
+
+def _pinned_units(graph: PlanGraph) -> bool:
+    """Whether a pinned order frees each unit's weight gradients at its update."""
+    return not graph.metadata.get("subclassed", False) and gradient_lifetime(graph) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +122,8 @@ class Schedule:
         extra_flops: FLOPs of the recomputed forward calls.
         requires_grad: Whether a gradient flows into each node.
         gradient_lifetime: `gradient_lifetime(graph)`.
-        update_in_backward: Whether optimizer updates run inside the backward
-            pass.
+        update_in_backward: Whether each unit's optimizer update runs right
+            after its backward pass (`updates_follow_units`).
     """
 
     def __init__(self, graph: PlanGraph, device_flops: float = DEVICE_FLOPS,
@@ -128,6 +159,8 @@ class Schedule:
         # every call is inside it, and the weight gradients they made so far.
         self._unit_layers: set[str] | None = None
         self._unit_grads: list[Key] = []
+        self._early: dict[str, Key] = {}
+        self._largest_weights = max((n.param_bytes for n in graph), default=0) or 1
 
     # -- queries -------------------------------------------------------------
 
@@ -164,11 +197,41 @@ class Schedule:
     def run(self, segments: list[Segment]) -> "Schedule":
         """Records the whole step: forward, loss, backward, optimizer update."""
         top = units(self.graph, [n.id for n in self.graph], segments)
+        self._early = self._early_update_buffers()
         self.forward(top, self.top, record=True)
         self.loss(self.top)
         self.backward(top, self.top)
         self.update()
         return self
+
+    def _early_update_buffers(self) -> dict[str, Key]:
+        """The update's buffers made before any gradient exists
+        (`PlanGraph.update_early_bytes`), allocated at the first step, by the
+        node whose weight gradient frees them: the first call of each layer
+        with weights, shared out by its weights' bytes (they are one per
+        variable)."""
+        first: dict[str, Node] = {}
+        for node in self.graph:
+            if node.param_bytes and self.requires_grad[node.id]:
+                first.setdefault(node.layer, node)
+        total = sum(n.param_bytes for n in first.values())
+        if not self.graph.update_early_bytes or not total:
+            return {}
+        step = self._step("update's early ops")
+        buffers = {}
+        for node in first.values():
+            key = ("update early", node.id)
+            self._alloc(key, self.graph.update_early_bytes * node.param_bytes // total, step)
+            buffers[node.id] = key
+        return buffers
+
+    def _free_gradient(self, key: Key, step: int) -> None:
+        """Frees a weight gradient at `step`'s update, with the update's early
+        buffer for the same weights (`_early_update_buffers`)."""
+        self._use(key, step)
+        early = self._early.get(key[1])
+        if early is not None:
+            self._use(early, step)
 
     def _step(self, label: str, transient: int = 0, seconds: float = 0.0) -> int:
         self.labels.append(label)
@@ -381,13 +444,16 @@ class Schedule:
         # The optimizer's update frees a weight gradient some steps after it is made.
         while (self.gradient_lifetime is not None
                and len(self.weight_grads) >= self.gradient_lifetime):
-            self._use(self.weight_grads.pop(0), step)
+            self._free_gradient(self.weight_grads.pop(0), step)
         if node.param_bytes:
             key = ("wgrad", node.id)
             self._alloc(key, node.param_bytes, step)
             if not self.update_in_backward or self._calls[node.layer] > 1 and (
                     self._unit_layers is None or node.layer not in self._unit_layers):
                 self.weight_grads.append(key)  # updated after the backward pass
+                if self.gradient_lifetime is not None and self._calls[node.layer] == 1:
+                    # TensorFlow starts the update once the gradient exists.
+                    self.transient[step] += self._update_workspace(node.param_bytes)
             elif self._unit_layers is not None:
                 self._unit_grads.append(key)  # updated after its segment's backward
             else:
@@ -398,21 +464,30 @@ class Schedule:
         inside = Counter(self.graph.node(n).layer for n in segment.nodes)
         return {layer for layer, k in inside.items() if k == self._calls[layer]}
 
+    def _update_workspace(self, nbytes: int) -> int:
+        """The workspace of the update of `nbytes` of weights: the whole
+        update's (`PlanGraph.update_workspace_bytes`, the peak of its traced
+        ops, which the largest weights set), in proportion to the largest
+        call's weights. Measured alone on one 64 MiB variable: SGD 64 MiB
+        (one `lr * g`, written into the gradient in a step), with momentum
+        and Adam 128, RMSprop 192."""
+        whole = self.graph.update_workspace_bytes
+        return min(whole, whole * nbytes // self._largest_weights)
+
     def _update_unit(self, grads: list[Key], step: int) -> None:
         """The optimizer update of one unit's weight gradients, at the end of
-        `step`: its workspace (one gradient-sized temporary, at most the
-        whole update's) counts there, and the gradients are freed after it."""
+        `step`: its workspace (`_update_workspace`) counts there, and the
+        gradients are freed after it."""
         if not grads:
             return
-        nbytes = sum(self.size[k] for k in grads)
-        self.transient[step] += min(self.graph.update_workspace_bytes, nbytes)
+        self.transient[step] += self._update_workspace(sum(self.size[k] for k in grads))
         for key in grads:
-            self._use(key, step)
+            self._free_gradient(key, step)
 
     def update(self) -> None:
         step = self._step("optimizer update", self.graph.update_workspace_bytes)
         for key in self.weight_grads:
-            self._use(key, step)
+            self._free_gradient(key, step)
 
 
 def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
@@ -435,8 +510,7 @@ def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
     """
     if plan is not None:
         plan.check_graph(graph)
-    updates = plan.update_in_backward if plan is not None else updates_in_backward(graph)
-    return Schedule(graph, device_flops, updates).run(
+    return Schedule(graph, device_flops, updates_follow_units(graph, plan)).run(
         recompute_units(graph, plan.segments) if plan is not None else [])
 
 
