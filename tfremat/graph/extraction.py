@@ -159,7 +159,8 @@ def _dead_ops(ops: list[tf.Operation], index: dict[str, int]) -> set[int]:
     return {i for i, alive in enumerate(live) if not alive}
 
 
-def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
+def _owners(traced: TracedStep, flow: _Dataflow, waits: list[bool],
+            feeds: list[bool]) -> list[str | None]:
     n = len(traced.ops)
     owner: list[str | None] = [None] * n
     for site_id, (start, end) in traced.ranges.items():
@@ -168,8 +169,8 @@ def _owners(traced: TracedStep, flow: _Dataflow) -> list[str | None]:
     for i in range(traced.forward_end, traced.backward_start):
         owner[i] = LOSS
     # After the backward pass: the update, whose ops depend (by data or
-    # control) on a gradient op or feed ops that do, and the metrics.
-    waits, feeds = _waiting_for_gradients(traced, flow)
+    # control) on a gradient op or feed ops that do (`_waiting_for_gradients`),
+    # and the metrics.
     for i in range(traced.backward_end, n):
         owner[i] = UPDATE if waits[i] or feeds[i] else METRICS
     # Backward ops: "gradient_tape/<forward op or scope>/..." names the forward
@@ -251,9 +252,11 @@ def _waiting_for_gradients(traced: TracedStep, flow: _Dataflow
     return waits, feeds
 
 
-def _early_update_buffers(traced: TracedStep, flow: _Dataflow) -> frozenset[_Root]:
+def _early_update_buffers(traced: TracedStep, flow: _Dataflow, waits: list[bool],
+                          feeds: list[bool]) -> frozenset[_Root]:
     """The buffers the update makes before any gradient exists and hands to
-    its ops that wait for one (`PlanGraph.update_early_bytes`).
+    its ops that wait for one (`PlanGraph.update_early_bytes`; `waits` and
+    `feeds` from `_waiting_for_gradients`).
 
     Keras's SGD with momentum computes `m * momentum` from the slot alone, and
     RMSprop `rho * velocity`: the executor runs them as the step starts, and
@@ -262,7 +265,6 @@ def _early_update_buffers(traced: TracedStep, flow: _Dataflow) -> frozenset[_Roo
     SGD with momentum 0.9, every such product live at the step's peak beside
     the whole forward pass.
     """
-    waits, feeds = _waiting_for_gradients(traced, flow)
     found = set()
     for i in range(traced.backward_end, len(traced.ops)):
         if not feeds[i] or i in flow.dead:
@@ -439,7 +441,7 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
         op = flow.ops[p]
         for j in range(len(op.outputs)):
             r = flow.root[(p, j)]
-            if (r != (p, j) or not flow.size.get(r) or not is_temporary(r)
+            if (r != (p, j) or not flow.size.get(r) or r in counted or not is_temporary(r)
                     or homes.get(r) in taken):
                 continue
             last[r] = max((local[c] for c in flow.readers[r] if c in local), default=local[p])
@@ -549,7 +551,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         if op.type in costs.WHILE_OPS:
             scratch[i] = scratch.get(i, 0) + costs.loop_run_ahead_bytes(op)
     flow = _Dataflow(ops, scratch, kernels.threads if kernels and kernels.concurrent else 1)
-    owner = _owners(traced, flow)
+    waits, feeds = _waiting_for_gradients(traced, flow)
+    owner = _owners(traced, flow, waits, feeds)
     bwd = range(traced.backward_start, traced.backward_end)
 
     out_ref: dict[_Root, str] = {}  # buffer -> "site:k" of the call output it is
@@ -696,9 +699,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         positions[METRICS], flow, lambda r: all(owner[c] == METRICS for c in flow.readers[r]))
     outputs_in_place = sorted({out_ref[home] for home in outliving
                                if home[0] not in made_at_loss and home in out_ref})
-    early = _early_update_buffers(traced, flow)
-    update_ws = _peak_of_temporaries(update_pos, flow, lambda r: r not in early,
-                                     counted=early)
+    early = _early_update_buffers(traced, flow, waits, feeds)
+    update_ws = _peak_of_temporaries(update_pos, flow, lambda r: True, counted=early)
     output_refs = traced.output_refs or _dynamic_outputs(owner, flow, out_ref)
 
     persistent = {

@@ -72,14 +72,10 @@ def updates_follow_units(graph: PlanGraph, plan: Plan | None) -> bool:
     with updates in the backward pass. A subclassed model pins only its
     recomputed sublayer calls.
     """
-    if plan is None:
-        return updates_in_backward(graph) or pins_order(graph) and _pinned_units(graph)
-    return plan.update_in_backward or plan.pin_order and _pinned_units(graph)
-
-
-def _pinned_units(graph: PlanGraph) -> bool:
-    """Whether a pinned order frees each unit's weight gradients at its update."""
-    return not graph.metadata.get("subclassed", False) and gradient_lifetime(graph) is not None
+    updates, pinned = ((updates_in_backward(graph), pins_order(graph)) if plan is None
+                       else (plan.update_in_backward, plan.pin_order))
+    return updates or (pinned and not graph.metadata.get("subclassed", False)
+                       and gradient_lifetime(graph) is not None)
 
 
 @dataclasses.dataclass(frozen=True)
