@@ -39,6 +39,7 @@ def main() -> None:
     import tensorflow as tf
 
     import tfremat
+    from tfremat.backend import inter_op_threads
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     workers = strategy.num_replicas_in_sync
@@ -54,7 +55,7 @@ def main() -> None:
         graph = tfremat.extract(model, batch_size=per_worker)
         budget_mb = 0.7 * tfremat.simulate(graph).peak_mb
         # Nothing measures a plan in the scope: plan with room for the spread of a
-        # plan's measured peak (docs/scaling.md: up to 15% above its prediction).
+        # plan's measured peak (docs/scaling.md).
         plan = tfremat.plan(model, budget_mb / 1.2, graph=graph)
         rewritten = tfremat.rewrite(model, plan)
         try:
@@ -120,6 +121,8 @@ def main() -> None:
             "update_workspace_bytes": graph.update_workspace_bytes,
             "gradient_bytes": sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
                                   for v in model.trainable_weights),
+            "cpus": len(os.sched_getaffinity(0)),
+            "inter_op_threads": inter_op_threads(),
             "budget_mb": budget_mb, "predicted_plain_mb": tfremat.simulate(graph).peak_mb,
             "predicted_mb": plan.estimates.peak_mb,
             "planned_peak_mb": planned_peak, "plain_peak_mb": plain_peak,

@@ -88,17 +88,30 @@ model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 graph = tfremat.extract(model, batch_size=32)
 print(json.dumps({"predicted": tfremat.simulate(graph).peak_bytes,
-                  "measured": tfremat.measure_peak(model, batch_size=32, repeats=5)}))
+                  "measured": tfremat.measure_peak(model, batch_size=32, repeats=5),
+                  "persistent": sum(graph.persistent_bytes.values()),
+                  "early": graph.update_early_bytes,
+                  "largest_gradient": max(n.param_bytes for n in graph)}))
 """
 
 
 @pytest.mark.alone
 def test_an_optimizer_with_momentum_is_predicted_as_measured():
     """Its `m * momentum` products (40 MiB here, the weights' size) are made as
-    the step starts and held until each gradient arrives: measured 152.9 MiB,
-    predicted 161.0 (121 before they were counted)."""
+    the step starts and held until each gradient arrives: predicted 161.0 MiB
+    (121 before they were counted). Measured in 37 fresh processes on two
+    inter-op threads: 152.9-153.5 MiB in 33, 145.1 in one, 137.5-137.6 in three
+    (and 137.5 in one CI run); 160.7-161.4 on 4 or 8 threads, 137.4-160.6 on
+    one. The simulator keeps each weight gradient 24 backward
+    steps (`GRADIENT_LIFETIME_STEPS`), here all four; TensorFlow runs the third
+    layer's update just after the second layer's gradient is made (152.9: the
+    profiler's memory events hold both 16 MiB gradients beside every product)
+    or before it (137.5): within 20% above, as the Dropout CNN below."""
     peaks = run_fresh(_MOMENTUM_MLP_PEAKS)
-    assert abs(peaks["predicted"] / peaks["measured"] - 1) < 0.10, peaks
+    # Every product is live at the peak, beside at least one weight gradient.
+    floor = peaks["persistent"] + peaks["early"] + peaks["largest_gradient"]
+    assert peaks["measured"] >= floor, peaks
+    assert -0.05 < peaks["predicted"] / peaks["measured"] - 1 < 0.20, peaks
 
 
 def test_the_graph_says_how_its_devices_allocator_counts_bytes(monkeypatch):
