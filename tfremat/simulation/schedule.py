@@ -14,7 +14,8 @@ updates the same way (`updates_follow_units`). Otherwise each update starts
 once its gradient exists (its workspace counts there) and frees the gradient
 `GRADIENT_LIFETIME_STEPS` later. What the update computes before any gradient
 (`PlanGraph.update_early_bytes`) lives from the first step until its
-gradient is freed. Every buffer is recorded with the step that makes it and
+gradient is freed; with updates in the backward pass it waits for the unit's
+gradients like the rest of the update, and counts in the unit's update. Every buffer is recorded with the step that makes it and
 the steps that read it; `simulator.py` turns that into memory, and
 `transfers.py` turns the step times into a timeline with host copies.
 
@@ -120,10 +121,14 @@ class Schedule:
         gradient_lifetime: `gradient_lifetime(graph)`.
         update_in_backward: Whether each unit's optimizer update runs right
             after its backward pass (`updates_follow_units`).
+        early_at_updates: Whether the update's early ops
+            (`PlanGraph.update_early_bytes`) run in each unit's update, as with
+            updates in the backward pass, which wait for the unit's gradients,
+            instead of as the step starts.
     """
 
     def __init__(self, graph: PlanGraph, device_flops: float = DEVICE_FLOPS,
-                 update_in_backward: bool = False) -> None:
+                 update_in_backward: bool = False, early_at_updates: bool = False) -> None:
         self.graph = graph
         self.device_flops = device_flops
         self.labels: list[str] = []
@@ -155,7 +160,9 @@ class Schedule:
         # every call is inside it, and the weight gradients they made so far.
         self._unit_layers: set[str] | None = None
         self._unit_grads: list[Key] = []
+        self.early_at_updates = early_at_updates
         self._early: dict[str, Key] = {}
+        self._early_in_update: dict[str, int] = {}
         self._largest_weights = max((n.param_bytes for n in graph), default=0) or 1
 
     # -- queries -------------------------------------------------------------
@@ -205,7 +212,9 @@ class Schedule:
         (`PlanGraph.update_early_bytes`), allocated at the first step, by the
         node whose weight gradient frees them: the first call of each layer
         with weights, shared out by its weights' bytes (they are one per
-        variable)."""
+        variable). With `early_at_updates` only those of layers called more
+        than once (updated after the backward pass); the others' count in
+        their unit's update (`_update_unit`)."""
         first: dict[str, Node] = {}
         for node in self.graph:
             if node.param_bytes and self.requires_grad[node.id]:
@@ -213,11 +222,19 @@ class Schedule:
         total = sum(n.param_bytes for n in first.values())
         if not self.graph.update_early_bytes or not total:
             return {}
+        share = {node.id: self.graph.update_early_bytes * node.param_bytes // total
+                 for node in first.values()}
+        if self.early_at_updates:
+            self._early_in_update = {n.id: share[n.id] for n in first.values()
+                                     if self._calls[n.layer] == 1}
+        early = [n for n in first.values() if n.id not in self._early_in_update]
+        if not early:
+            return {}
         step = self._step("update's early ops")
         buffers = {}
-        for node in first.values():
+        for node in early:
             key = ("update early", node.id)
-            self._alloc(key, self.graph.update_early_bytes * node.param_bytes // total, step)
+            self._alloc(key, share[node.id], step)
             buffers[node.id] = key
         return buffers
 
@@ -472,11 +489,13 @@ class Schedule:
 
     def _update_unit(self, grads: list[Key], step: int) -> None:
         """The optimizer update of one unit's weight gradients, at the end of
-        `step`: its workspace (`_update_workspace`) counts there, and the
+        `step`: its workspace (`_update_workspace`) and, with
+        `early_at_updates`, its early ops' buffers count there, and the
         gradients are freed after it."""
         if not grads:
             return
         self.transient[step] += self._update_workspace(sum(self.size[k] for k in grads))
+        self.transient[step] += sum(self._early_in_update.get(k[1], 0) for k in grads)
         for key in grads:
             self._free_gradient(key, step)
 
@@ -506,7 +525,9 @@ def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
     """
     if plan is not None:
         plan.check_graph(graph)
-    return Schedule(graph, device_flops, updates_follow_units(graph, plan)).run(
+    in_backward = plan.update_in_backward if plan is not None else updates_in_backward(graph)
+    return Schedule(graph, device_flops, updates_follow_units(graph, plan),
+                    early_at_updates=in_backward).run(
         recompute_units(graph, plan.segments) if plan is not None else [])
 
 
