@@ -190,8 +190,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             `TF_NUM_INTEROP_THREADS=1` or a one-CPU machine), where an
             unpinned plan saves almost nothing, and in the scope of a
             `MultiWorkerMirroredStrategy`, where nothing measures the plan
-            and pinned peaks were steadier (docs/scaling.md). Elsewhere
-            steadier peaks on some models, higher ones on others. A pinned
+            and pinned peaks were steadier (docs/scaling.md); not when the
+            plan would change nothing else and the step is predicted to fit
+            unpinned. Elsewhere steadier peaks on some models, higher ones
+            on others. A pinned
             plan is planned and predicted with each unit's update right after
             its backward pass, where TensorFlow then runs it
             (`tfremat.simulation.updates_follow_units`; docs/how-it-works.md,
@@ -254,6 +256,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         asked = int(budget_mb * MIB)
         decided = (None if update_in_backward == "auto" else
                    choose_updates(model, graph, asked, update_in_backward))
+        auto_pin = pin_order == "auto"
         pin_order = pinned(pin_order)
 
         def make(budget_bytes: int, objective: str = objective) -> Plan:
@@ -273,7 +276,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
                 # "auto" chose them, yet their own workspace can raise a floor.
                 made, note = _without_updates(made_with, with_updates)
             made.update_note = note
-            return made
+            return unpinned_where_idle(graph, made, budget_bytes) if auto_pin else made
 
         def bare(like: Plan) -> Plan:
             return unplanned(graph, like)
@@ -302,6 +305,21 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     result = chief_plan(result, graph)
     result.graph = graph
     return result
+
+
+def unpinned_where_idle(graph: PlanGraph, plan: Plan, budget_bytes: int) -> Plan:
+    """`plan` with its order free when the pin (`pin_order="auto"`) is all it
+    changes and the step is predicted to fit `budget_bytes` without it: the
+    pin is there to keep a plan's saving, and a step that fits as written is
+    left as written. Otherwise `plan`."""
+    if not plan.pin_order or plan.segments or plan.offloaded or plan.update_in_backward:
+        return plan
+    free = dataclasses.replace(plan, pin_order=False, estimates=None)
+    estimate = simulate(graph, free)
+    if estimate.peak_bytes > budget_bytes:
+        return plan
+    free.estimates = estimate.plan_estimate(note=plan.estimates.note if plan.estimates else "")
+    return free
 
 
 def _without_updates(made_with: Callable[[bool], Plan],

@@ -15,6 +15,7 @@ import tensorflow as tf
 import tfremat
 from tests.fresh import run_fresh
 from tests.setups.models import Block
+from tfremat import api as tfremat_api
 from tfremat.core import Plan
 from tfremat.graph import step_function
 from tfremat.rewriter import PlanInstallation
@@ -262,7 +263,9 @@ def test_a_pinned_plan_is_predicted_with_each_units_update_right_after_its_backw
     gradients are freed there, as with updates in the backward pass (ResNet50's
     sqrt(n) plan measured 197.3 MiB pinned in five fresh processes, as with
     updates, where the unpinned prediction said 229.4). The planners plan for
-    that schedule."""
+    that schedule. What the update makes before its gradient (`m * momentum`
+    here) is made as the step starts when pinned, in the unit's update with
+    updates in the backward pass."""
     model = cnn()
     graph = tfremat.extract(model, batch_size=BATCH)
     with pytest.raises(tfremat.BudgetError) as err:
@@ -277,7 +280,12 @@ def test_a_pinned_plan_is_predicted_with_each_units_update_right_after_its_backw
     assert pinned.pin_order and not pinned.update_in_backward
     assert pinned.peak_bytes == tfremat.simulate(graph, pinned).peak_bytes
     as_updates = dataclasses.replace(pinned, pin_order=False, update_in_backward=True)
-    assert pinned.peak_bytes == tfremat.simulate(graph, as_updates).peak_bytes
+    no_early = dataclasses.replace(graph, update_early_bytes=0)
+    assert graph.update_early_bytes > 0
+    assert tfremat.simulate(no_early, dataclasses.replace(pinned, estimates=None)).peak_bytes \
+        == tfremat.simulate(no_early, as_updates).peak_bytes
+    assert abs(pinned.peak_bytes - tfremat.simulate(graph, as_updates).peak_bytes) \
+        <= graph.update_early_bytes
     unpinned = dataclasses.replace(pinned, pin_order=False)
     assert pinned.peak_bytes < tfremat.simulate(graph, unpinned).peak_bytes
     assert pinned.peak_bytes < free.peak_bytes  # a lower floor, planned for
@@ -350,3 +358,21 @@ def test_a_pinned_plans_updates_wait_for_the_input_gradients_that_read_the_weigh
             reads = [op.name for op in _ancestors(update) if op.type == "Conv2DBackpropInput"
                      and f"/{layer}_1/" in op.name]
             assert reads, (layer, update.name)
+
+
+def test_auto_on_one_thread_pins_a_plan_and_leaves_a_step_that_fits(monkeypatch):
+    """`pin_order="auto"` pins on one inter-op thread to keep a plan's saving;
+    a step predicted to fit unpinned has none, and is left as written (it was
+    pinned on one thread and not on two)."""
+    monkeypatch.setattr(tfremat_api, "inter_op_threads", lambda: 1)
+    model = cnn()
+    graph = tfremat.extract(model, batch_size=BATCH)
+    plain = tfremat.simulate(graph).peak_mb
+    roomy = tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward=False)
+    assert roomy.is_empty, roomy
+    assert roomy.peak_bytes == tfremat.simulate(graph).peak_bytes
+    tight = tfremat.plan(model, plain * 0.8, graph=graph, update_in_backward=False)
+    assert tight.segments and tight.pin_order, tight
+    # Asked for, the pin stays whatever the budget.
+    assert tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward=False,
+                        pin_order=True).pin_order
