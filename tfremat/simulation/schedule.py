@@ -15,9 +15,10 @@ once its gradient exists (its workspace counts there) and frees the gradient
 `GRADIENT_LIFETIME_STEPS` later. What the update computes before any gradient
 (`PlanGraph.update_early_bytes`) lives from the first step until its
 gradient is freed; with updates in the backward pass it waits for the unit's
-gradients like the rest of the update, and counts in the unit's update. Every buffer is recorded with the step that makes it and
-the steps that read it; `simulator.py` turns that into memory, and
-`transfers.py` turns the step times into a timeline with host copies.
+gradients like the rest of the update, and counts in the unit's update. Every
+buffer is recorded with the step that makes it and the steps that read it;
+`simulator.py` turns that into memory, and `transfers.py` turns the step
+times into a timeline with host copies.
 
 No TensorFlow import: planners call this in loops.
 """
