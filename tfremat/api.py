@@ -276,7 +276,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
                 # "auto" chose them, yet their own workspace can raise a floor.
                 made, note = _without_updates(made_with, with_updates)
             made.update_note = note
-            return unpinned_where_idle(graph, made, budget_bytes) if auto_pin else made
+            return _unpinned_where_idle(graph, made, budget_bytes) if auto_pin else made
 
         def bare(like: Plan) -> Plan:
             return unplanned(graph, like)
@@ -307,7 +307,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     return result
 
 
-def unpinned_where_idle(graph: PlanGraph, plan: Plan, budget_bytes: int) -> Plan:
+def _unpinned_where_idle(graph: PlanGraph, plan: Plan, budget_bytes: int) -> Plan:
     """`plan` with its order free when the pin (`pin_order="auto"`) is all it
     changes and the step is predicted to fit `budget_bytes` without it: the
     pin is there to keep a plan's saving, and a step that fits as written is

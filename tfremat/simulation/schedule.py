@@ -201,43 +201,43 @@ class Schedule:
     def run(self, segments: list[Segment]) -> "Schedule":
         """Records the whole step: forward, loss, backward, optimizer update."""
         top = units(self.graph, [n.id for n in self.graph], segments)
-        self._early = self._early_update_buffers()
+        self._early, self._early_in_update = self._early_update_buffers()
         self.forward(top, self.top, record=True)
         self.loss(self.top)
         self.backward(top, self.top)
         self.update()
         return self
 
-    def _early_update_buffers(self) -> dict[str, Key]:
+    def _early_update_buffers(self) -> tuple[dict[str, Key], dict[str, int]]:
         """The update's buffers made before any gradient exists
-        (`PlanGraph.update_early_bytes`), allocated at the first step, by the
-        node whose weight gradient frees them: the first call of each layer
-        with weights, shared out by its weights' bytes (they are one per
-        variable). With `early_at_updates` only those of layers called more
-        than once (updated after the backward pass); the others' count in
-        their unit's update (`_update_unit`)."""
+        (`PlanGraph.update_early_bytes`), by the node whose weight gradient
+        frees them: the first call of each layer with weights, shared out by
+        its weights' bytes (they are one per variable). Returns the keys of
+        those allocated at the first step and the bytes of those that count in
+        their unit's update instead (`_update_unit`): with `early_at_updates`,
+        all but those of layers called more than once (updated after the
+        backward pass)."""
         first: dict[str, Node] = {}
         for node in self.graph:
             if node.param_bytes and self.requires_grad[node.id]:
                 first.setdefault(node.layer, node)
         total = sum(n.param_bytes for n in first.values())
         if not self.graph.update_early_bytes or not total:
-            return {}
+            return {}, {}
         share = {node.id: self.graph.update_early_bytes * node.param_bytes // total
                  for node in first.values()}
-        if self.early_at_updates:
-            self._early_in_update = {n.id: share[n.id] for n in first.values()
-                                     if self._calls[n.layer] == 1}
-        early = [n for n in first.values() if n.id not in self._early_in_update]
+        in_update = {n.id: share[n.id] for n in first.values()
+                     if self.early_at_updates and self._calls[n.layer] == 1}
+        early = [n for n in first.values() if n.id not in in_update]
         if not early:
-            return {}
+            return {}, in_update
         step = self._step("update's early ops")
         buffers = {}
         for node in early:
             key = ("update early", node.id)
             self._alloc(key, share[node.id], step)
             buffers[node.id] = key
-        return buffers
+        return buffers, in_update
 
     def _free_gradient(self, key: Key, step: int) -> None:
         """Frees a weight gradient at `step`'s update, with the update's early
