@@ -24,8 +24,10 @@ its persistent bytes).
 Usage:
     python benchmarks/step_drift.py [--models ResNet152]
         [--variants "plain,chen-greedy,chen-greedy (pinned)"] [--steps 6]
+        [--output step_drift]
 
-Writes benchmarks/results/step_drift.md and step_drift.json.
+Writes benchmarks/results/step_drift.md and step_drift.json (`--output`
+names them otherwise).
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ def main() -> None:
                         help="Comma-separated: plain, or rows of planners.py, each "
                         f"maybe ending in {PINNED!r}.")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--output", default="step_drift",
+                        help="Name of the result files under benchmarks/results/.")
     parser.add_argument("--plan-worker", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--measure-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,10 +176,10 @@ def main() -> None:
         for variant in variants:
             print(f"{name}, {variant}:", flush=True)
             data["models"][name].append(run_variant(name, variant, args.steps))
-    with open(os.path.join(RESULTS, "step_drift.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.output}.json"), "w") as f:
         json.dump(data, f, indent=1)
     text = markdown(data)
-    with open(os.path.join(RESULTS, "step_drift.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.output}.md"), "w") as f:
         f.write(text)
     print(text)
 

@@ -195,9 +195,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             unpinned. Elsewhere steadier peaks on some models, higher ones
             on others. A pinned
             plan is planned and predicted with each unit's update right after
-            its backward pass, where TensorFlow then runs it
-            (`tfremat.simulation.updates_follow_units`; docs/how-it-works.md,
-            "Pinning the order"). On a subclassed model, the recomputed
+            its backward pass, where TensorFlow then runs it, beside the next
+            unit's backward on a CPU's inter-op threads
+            (`tfremat.simulation.updates_follow_units`, `updates_overlap`;
+            docs/how-it-works.md, "Pinning the order"). On a subclassed model, the recomputed
             sublayer calls are pinned.
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.

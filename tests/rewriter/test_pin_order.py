@@ -19,6 +19,7 @@ from tfremat import api as tfremat_api
 from tfremat.core import Plan
 from tfremat.graph import step_function
 from tfremat.rewriter import PlanInstallation
+from tfremat.simulation import build_schedule
 
 BATCH = 16
 
@@ -102,6 +103,7 @@ import tfremat
 from tfremat.backend import inter_op_threads
 from tfremat.planners import min_feasible_budget
 from tfremat.rewriter import PlanInstallation
+from tfremat.simulation import build_schedule
 
 keras.utils.set_random_seed(0)
 inp = keras.Input((32, 32, 3))
@@ -184,6 +186,7 @@ import json
 import keras, numpy as np, tensorflow as tf
 import tfremat
 from tfremat.rewriter import PlanInstallation
+from tfremat.simulation import build_schedule
 
 keras.utils.set_random_seed(0)
 inp = keras.Input((32, 32, 3))
@@ -262,10 +265,11 @@ def test_a_pinned_plan_is_predicted_with_each_units_update_right_after_its_backw
     gradient exists once the unit's input gradients do, so each unit's weight
     gradients are freed there, as with updates in the backward pass (ResNet50's
     sqrt(n) plan measured 197.3 MiB pinned in five fresh processes, as with
-    updates, where the unpinned prediction said 229.4). The planners plan for
-    that schedule. What the update makes before its gradient (`m * momentum`
-    here) is made as the step starts when pinned, in the unit's update with
-    updates in the backward pass."""
+    updates, where the unpinned prediction said 229.4), one step later where
+    operations run side by side: the next unit's backward does not wait for a
+    pinned update. The planners plan for that schedule. What the update makes
+    before its gradient (`m * momentum` here) is made as the step starts when
+    pinned, in the unit's update with updates in the backward pass."""
     model = cnn()
     graph = tfremat.extract(model, batch_size=BATCH)
     with pytest.raises(tfremat.BudgetError) as err:
@@ -280,12 +284,21 @@ def test_a_pinned_plan_is_predicted_with_each_units_update_right_after_its_backw
     assert pinned.pin_order and not pinned.update_in_backward
     assert pinned.peak_bytes == tfremat.simulate(graph, pinned).peak_bytes
     as_updates = dataclasses.replace(pinned, pin_order=False, update_in_backward=True)
-    no_early = dataclasses.replace(graph, update_early_bytes=0)
     assert graph.update_early_bytes > 0
+    one_at_a_time = dataclasses.replace(
+        graph, metadata={**graph.metadata, "concurrent_ops": False})
+    no_early = dataclasses.replace(one_at_a_time, update_early_bytes=0)
     assert tfremat.simulate(no_early, dataclasses.replace(pinned, estimates=None)).peak_bytes \
         == tfremat.simulate(no_early, as_updates).peak_bytes
-    assert abs(pinned.peak_bytes - tfremat.simulate(graph, as_updates).peak_bytes) \
+    assert abs(tfremat.simulate(one_at_a_time, dataclasses.replace(pinned, estimates=None))
+               .peak_bytes - tfremat.simulate(one_at_a_time, as_updates).peak_bytes) \
         <= graph.update_early_bytes
+    side_by_side = dataclasses.replace(graph, metadata={**graph.metadata, "concurrent_ops": True})
+    beside = build_schedule(side_by_side, pinned)
+    after = build_schedule(side_by_side, as_updates)
+    grads = [key for key in after.last_use if key[0] == "wgrad"]
+    assert grads and all(beside.labels[beside.last_use[k]] == after.labels[after.last_use[k] + 1]
+                         for k in grads)
     unpinned = dataclasses.replace(pinned, pin_order=False)
     assert pinned.peak_bytes < tfremat.simulate(graph, unpinned).peak_bytes
     assert pinned.peak_bytes < free.peak_bytes  # a lower floor, planned for

@@ -200,7 +200,9 @@ class Plan:
             with each unit's update right after its backward pass, as with
             updates in the backward pass, on a functional model whose
             gradients do not wait for an all-reduce
-            (`tfremat.simulation.updates_follow_units`).
+            (`tfremat.simulation.updates_follow_units`); on a CPU's inter-op
+            threads the update runs beside the next unit's backward, which
+            does not wait for it (`tfremat.simulation.updates_overlap`).
         node_ids: The ids of the planned graph's nodes, in its order (set by
             `from_segments`). With them the plan applies to a model of the
             same structure whose layers are named otherwise (`for_graph`);
