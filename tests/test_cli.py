@@ -140,3 +140,10 @@ def test_classes_must_be_a_positive_number(value, capsys):
         cli.main(["plan", "resnet50", "--budget-mb", "100", "--classes", value])
     assert exit_info.value.code == 2
     assert f"wants a positive whole number, got {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, pin_order", [([], "auto"), (["--pin-order"], True),
+                                              (["--no-pin-order"], False)])
+def test_the_order_flags_reach_the_plan(flags, pin_order):
+    args = cli.build_parser().parse_args(["plan", "resnet50", "--budget-mb", "100", *flags])
+    assert args.pin_order == pin_order

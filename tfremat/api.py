@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.backend import inter_op_threads, multi_worker
+from tfremat.backend import device_name, multi_worker
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment, check_count, warn
 from tfremat.graph import extract
 from tfremat.memory import require_measurable_scope
@@ -86,20 +86,27 @@ def check_planner(planner: str, objective: str, offload: bool | str = "auto",
         raise ValueError(f"pin_order must be True, False or 'auto', got {pin_order!r}.")
 
 
-def pinned(pin_order: bool | str) -> bool:
-    """Whether a plan pins its backward pass (`Plan.pin_order`).
+def pinned(pin_order: bool | str, model: keras.Model | None = None) -> bool:
+    """Whether a plan of `model` pins its backward pass (`Plan.pin_order`).
 
-    `"auto"` pins when TensorFlow runs a step's operations on one inter-op
-    thread: there the executor runs them in the order Grappler left, which on
-    models with skip connections kept what recomputation freed (a residual
-    CNN's plan predicted at 141 MiB measured 227-239, the plain step 236-240;
-    pinned 136-140). It pins too in a multi-worker strategy's scope, where no
-    `Planner` measures the plan: unpinned, a worker of two sharing two cores
-    measured its plan at up to 10.26 MiB against a 9.19 MiB budget, pinned at
-    5.7-7.8 MiB against 9.50 (docs/scaling.md).
+    `"auto"` pins on a CPU, where TensorFlow's executor runs a step's ready
+    operations on its inter-op threads. Measured there (two threads, SGD, 96
+    px, batch 16, `benchmarks/step_drift.py`): pinned, each of twelve
+    planners' plans of ResNet50, ResNet152, VGG19, DenseNet121, MobileNetV2
+    and InceptionV3 held the same bytes before every step, and its median
+    step peaked no higher than unpinned (up to 11% lower), at 0.98x-1.07x the
+    step time (`benchmarks/repeatability.py`). On one thread the free order
+    kept what recomputation freed (a residual CNN's plan predicted at 141 MiB
+    measured 227-239, pinned 136-140). It pins too in a multi-worker
+    strategy's scope, where no `Planner` measures the plan (docs/scaling.md).
+    A GPU runs its kernels one at a time on its compute stream, and XLA
+    orders the program it compiles itself (`model.jit_compile`): not pinned
+    there.
     """
     if pin_order == "auto":
-        return inter_op_threads() == 1 or multi_worker()
+        if getattr(model, "jit_compile", False) is True:
+            return False
+        return not device_name().startswith("GPU") or multi_worker()
     return bool(pin_order)
 
 
@@ -184,22 +191,22 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             (`Plan.pin_order`): each layer's weight gradients before the next
             layer's backward, and each weight's update after the kernels
             that read the weight in the backward pass. True, False, or
-            `"auto"` (the default): pinned when TensorFlow runs the step on
-            one inter-op thread (set by
-            `tf.config.threading.set_inter_op_parallelism_threads(1)`,
-            `TF_NUM_INTEROP_THREADS=1` or a one-CPU machine), where an
-            unpinned plan saves almost nothing, and in the scope of a
-            `MultiWorkerMirroredStrategy`, where nothing measures the plan
-            and pinned peaks were steadier (docs/scaling.md); not when the
-            plan would change nothing else and the step is predicted to fit
-            unpinned. Elsewhere steadier peaks on some models, higher ones
-            on others. A pinned
+            `"auto"` (the default): pinned on a CPU, where the executor's
+            inter-op threads otherwise race (pinned, peaks were steady from
+            step to step and no higher on the keras.applications models
+            measured; on one thread an unpinned plan saved almost nothing),
+            and in the scope of a `MultiWorkerMirroredStrategy`, where
+            nothing measures the plan (docs/scaling.md); not on a GPU, whose
+            kernels run one at a time, nor for a step XLA compiles
+            (`jit_compile=True`), which XLA orders itself; not when the plan
+            would change nothing else and the step is predicted to fit
+            unpinned. A pinned
             plan is planned and predicted with each unit's update right after
             its backward pass, where TensorFlow then runs it, beside the next
             unit's backward on a CPU's inter-op threads
             (`tfremat.simulation.updates_follow_units`, `updates_overlap`;
-            docs/how-it-works.md, "Pinning the order"). On a subclassed model, the recomputed
-            sublayer calls are pinned.
+            docs/how-it-works.md, "Pinning the order"). On a subclassed
+            model, the recomputed sublayer calls are pinned.
         **settings: Settings of the chosen planner (see `tfremat.planners`), e.g.
             `finetune_episodes=20, finetune_time_limit=300` for `planner="dqn"`.
 
@@ -258,7 +265,7 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
         decided = (None if update_in_backward == "auto" else
                    choose_updates(model, graph, asked, update_in_backward))
         auto_pin = pin_order == "auto"
-        pin_order = pinned(pin_order)
+        pin_order = pinned(pin_order, model)
 
         def make(budget_bytes: int, objective: str = objective) -> Plan:
             updates, note = (choose_updates(model, graph, min(budget_bytes, asked), "auto")

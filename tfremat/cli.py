@@ -218,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=argparse.SUPPRESS)  # now the default; kept for old scripts
     pl.add_argument("--pin-order", dest="pin_order", action="store_const", const=True,
                     default="auto",
-                    help="run the backward pass in the planned order (steadier peaks; by "
-                         "default only when TensorFlow runs on one inter-op thread)")
+                    help="run the backward pass in the planned order (steadier peaks; the "
+                         "default on a CPU and in a multi-worker scope, not on a GPU)")
+    pl.add_argument("--no-pin-order", dest="pin_order", action="store_const", const=False,
+                    help="leave the backward pass's order to TensorFlow's executor")
     pl.add_argument("--measure", action="store_true",
                     help="measure candidate plans on the device and keep the fastest "
                          "that fits (tfremat.plan(..., measure=True))")

@@ -175,10 +175,10 @@ def test_one_inter_op_thread_set_in_tensorflow_pins_the_plan():
     assert got["threads"] == 1 and got["pinned"] and got["same_segments"], got
 
 
-def test_on_two_inter_op_threads_plans_are_not_pinned_unless_asked():
+def test_on_two_inter_op_threads_a_cpus_plans_are_pinned_too():
     got = run_fresh(ONE_THREAD, TF_NUM_INTEROP_THREADS="2")
     assert got["threads"] == 2, got
-    assert not got["pinned"], got
+    assert got["pinned"] and got["same_segments"], got
 
 
 PEAKS = """
@@ -373,11 +373,9 @@ def test_a_pinned_plans_updates_wait_for_the_input_gradients_that_read_the_weigh
             assert reads, (layer, update.name)
 
 
-def test_auto_on_one_thread_pins_a_plan_and_leaves_a_step_that_fits(monkeypatch):
-    """`pin_order="auto"` pins on one inter-op thread to keep a plan's saving;
-    a step predicted to fit unpinned has none, and is left as written (it was
-    pinned on one thread and not on two)."""
-    monkeypatch.setattr(tfremat_api, "inter_op_threads", lambda: 1)
+def test_auto_on_a_cpu_pins_a_plan_and_leaves_a_step_that_fits():
+    """`pin_order="auto"` pins on a CPU to keep a plan's saving; a step
+    predicted to fit unpinned has none, and is left as written."""
     model = cnn()
     graph = tfremat.extract(model, batch_size=BATCH)
     plain = tfremat.simulate(graph).peak_mb
@@ -389,3 +387,23 @@ def test_auto_on_one_thread_pins_a_plan_and_leaves_a_step_that_fits(monkeypatch)
     # Asked for, the pin stays whatever the budget.
     assert tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward=False,
                         pin_order=True).pin_order
+
+
+def test_auto_does_not_pin_on_a_gpu_but_does_in_a_multi_worker_scope(monkeypatch):
+    """A GPU runs its kernels one at a time on its compute stream, and XLA
+    orders what it compiles: nothing to pin. In a multi-worker scope nothing
+    measures the plan: pinned."""
+    compiled = cnn()
+    compiled.jit_compile = True
+    assert tfremat_api.pinned("auto") and not tfremat_api.pinned("auto", compiled)
+    assert tfremat_api.pinned(True, compiled)
+    model = cnn()
+    graph = tfremat.extract(model, batch_size=BATCH)
+    tight = 0.8 * tfremat.simulate(graph).peak_mb
+    on_cpu = tfremat.plan(model, tight, graph=graph, update_in_backward=False)
+    monkeypatch.setattr(tfremat_api, "device_name", lambda: "GPU:0")
+    on_gpu = tfremat.plan(model, tight, graph=graph, update_in_backward=False)
+    assert on_cpu.pin_order and on_cpu.segments, on_cpu
+    assert not on_gpu.pin_order and on_gpu.segments, on_gpu
+    monkeypatch.setattr(tfremat_api, "multi_worker", lambda: True)
+    assert tfremat_api.pinned("auto")

@@ -132,12 +132,12 @@ class Planner(keras.callbacks.Callback):
             by XLA), True or False. The plan summary says whether it does, and
             why not.
         pin_order: Pin the backward pass to the simulator's order (see
-            `tfremat.plan`): True, False or `"auto"` (the default: pinned when
-            TensorFlow runs the step on one inter-op thread, where an unpinned
-            plan saves almost nothing). Elsewhere steadier peaks on some
-            models, higher ones on others; on CPU the step took 0.86x to
-            1.06x the unpinned step on one model and up to 0.15x of the plain
-            step more on another (docs/how-it-works.md, "Pinning the order").
+            `tfremat.plan`): True, False or `"auto"` (the default: pinned on a
+            CPU, where peaks were steadier and no higher pinned, and on one
+            inter-op thread an unpinned plan saves almost nothing; not on a
+            GPU nor for a step XLA compiles). On CPU the step took 0.86x to
+            1.07x the unpinned step
+            (docs/how-it-works.md, "Pinning the order").
 
     Attributes:
         plan: The plan applied (None before the first step).
