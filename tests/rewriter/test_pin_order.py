@@ -103,7 +103,6 @@ import tfremat
 from tfremat.backend import inter_op_threads
 from tfremat.planners import min_feasible_budget
 from tfremat.rewriter import PlanInstallation
-from tfremat.simulation import build_schedule
 
 keras.utils.set_random_seed(0)
 inp = keras.Input((32, 32, 3))
@@ -186,7 +185,6 @@ import json
 import keras, numpy as np, tensorflow as tf
 import tfremat
 from tfremat.rewriter import PlanInstallation
-from tfremat.simulation import build_schedule
 
 keras.utils.set_random_seed(0)
 inp = keras.Input((32, 32, 3))

@@ -527,7 +527,8 @@ class Schedule:
         """The optimizer update of one unit's weight gradients, at the end of
         `step`: its workspace (`_update_workspace`) and, with
         `early_at_updates`, its early ops' buffers count there, and the
-        gradients are freed after it."""
+        gradients are freed after it; with `overlap_updates`, all of that in
+        the next step instead (`_step`)."""
         if not grads:
             return
         workspace = (self._update_workspace(sum(self.size[k] for k in grads))
@@ -566,8 +567,8 @@ def build_schedule(graph: PlanGraph, plan: Plan | None = None, *,
     if plan is not None:
         plan.check_graph(graph)
     in_backward = plan.update_in_backward if plan is not None else updates_in_backward(graph)
-    follow = updates_follow_units(graph, plan)
-    return Schedule(graph, device_flops, follow, early_at_updates=in_backward,
+    return Schedule(graph, device_flops, updates_follow_units(graph, plan),
+                    early_at_updates=in_backward,
                     overlap_updates=updates_overlap(graph, plan)).run(
         recompute_units(graph, plan.segments) if plan is not None else [])
 
