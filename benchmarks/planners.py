@@ -61,6 +61,9 @@ PLANNERS: dict[str, tuple[str, dict[str, Any]]] = {
                                                    "update_in_backward": True}),
     # What `tfremat.plan` and the `Planner` do by default under a binding budget.
     "auto + updates": ("auto", {"offload": False, "update_in_backward": True}),
+    # Their default on a CPU where the updates cannot run in the backward pass
+    # (a custom `train_step`, `global_clipnorm`, ...): the order pinned.
+    "auto + pinned": ("auto", {"offload": False, "pin_order": True}),
 }
 QUICK_PLANNERS = ("chen-sqrt", "approx-dp (time)", "approx-dp (memory)",
                   "chen-sqrt + updates")
