@@ -281,11 +281,12 @@ class Schedule:
         self.transient.append(transient)
         self.seconds.append(seconds)
         step = len(self.labels) - 1
-        for grads, workspace in self._overlapping:  # updates running beside this step
-            self.transient[step] += workspace
-            for key in grads:
-                self._free_gradient(key, step)
-        self._overlapping = []
+        if self._overlapping:  # updates running beside this step
+            for grads, workspace in self._overlapping:
+                self.transient[step] += workspace
+                for key in grads:
+                    self._free_gradient(key, step)
+            self._overlapping = []
         return step
 
     def _alloc(self, key: Key, nbytes: int, step: int) -> None:
