@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.backend import device_name, multi_worker
+from tfremat.backend import device_name, multi_worker, xla_compiled
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment, check_count, warn
 from tfremat.graph import extract
 from tfremat.memory import require_measurable_scope
@@ -104,7 +104,7 @@ def pinned(pin_order: bool | str, model: keras.Model | None = None) -> bool:
     there.
     """
     if pin_order == "auto":
-        if getattr(model, "jit_compile", False) is True:
+        if xla_compiled(model):
             return False
         return not device_name().startswith("GPU") or multi_worker()
     return bool(pin_order)
@@ -692,7 +692,7 @@ def _trial(model: keras.Model, plan: Plan, budget: int, batch_size: int | None,
            sample: Any) -> int:
     """The measured peak of `plan`: the largest of `TRIAL_STEPS` steps."""
     # XLA ignores device placement: offload runs without it (as the Planner does).
-    jit = False if plan.offloaded and model.jit_compile is True else None
+    jit = False if plan.offloaded and xla_compiled(model) else None
     measured = PlanInstallation(model, plan, jit_compile=jit).measure_peak(
         batch_size=batch_size, sample=sample, repeats=TRIAL_STEPS)
     logger.info("Measured a plan predicted at %.1f MiB: %.1f MiB (budget %.1f MiB).",

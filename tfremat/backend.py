@@ -1,7 +1,7 @@
 """Checks that TensorFlow is installed and that Keras runs on it; names the
 device whose memory tfremat budgets, says whether its allocator can be read,
-how many operations TensorFlow's executor runs at once and what `tf.distribute`
-scope is open."""
+how many operations TensorFlow's executor runs at once, whether XLA compiles
+the step and what `tf.distribute` scope is open."""
 
 from __future__ import annotations
 
@@ -92,6 +92,12 @@ def device_allocator(device: str) -> str | None:
     if device.startswith("GPU"):
         return None if os.environ.get("TF_GPU_ALLOCATOR") == "cuda_malloc_async" else "bfc"
     return "bfc" if memory_stats_available(device) else None
+
+
+def xla_compiled(model: object) -> bool:
+    """Whether Keras compiles `model`'s train step with XLA (`jit_compile`,
+    which `compile` resolves to True or False; its "auto" is True with a GPU)."""
+    return getattr(model, "jit_compile", False) is True
 
 
 def kernels_at_once(device: str) -> int:

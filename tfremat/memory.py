@@ -12,7 +12,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat.backend import NO_STATS_HINT, device_name, replicas_in_scope, require_tensorflow
+from tfremat.backend import (NO_STATS_HINT, device_name, replicas_in_scope, require_tensorflow,
+                             xla_compiled)
 from tfremat.core import UnsupportedModelError, interrupts_deferred
 from tfremat.graph import (TRACE_ERRORS, batch_specs, forgetting_custom_gradients,
                            require_built, stand_ins, step_function, target_candidates,
@@ -268,7 +269,7 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     require_built(model, "measuring")
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
-    jit = getattr(model, "jit_compile", False) is True
+    jit = xla_compiled(model)
     given = _given_batch(sample)
     x = given[0] if given else synthetic_batch(x_spec, 1)
     try:

@@ -8,12 +8,15 @@ between compilations, so the smallest of three compilations is compared:
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import pytest
 import tensorflow as tf
 
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import Segment
+from tfremat.graph import step_function
 from tfremat.rewriter import PlanInstallation, rewrite_model
 
 
@@ -79,3 +82,32 @@ def test_measuring_a_plan_whose_segment_begins_with_an_addition_leaves_no_memory
         in_use.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
     # Leaking, three more calls leave 6x the weights behind.
     assert in_use[3] - in_use[0] < 2 * weights, (in_use, weights)
+
+
+@pytest.mark.parametrize("segments", [[], [["output"]]], ids=["pinned", "recomputed"])
+def test_a_rewritten_step_holds_nothing_once_it_has_run(segments):
+    """The tape hands a unit's gradient function zeros for an output nothing
+    differentiates (a softmax output: Keras's crossentropy reads its logits),
+    and Grappler folded them into a constant the step held for good (5 MiB
+    for a U-Net's per-pixel softmax; the sum of a batch normalization's input
+    gradients, 16 MiB more, likewise). A pinned plan wraps every unit so;
+    a segment holding the output layer too."""
+    keras.utils.set_random_seed(17)
+    inp = keras.Input((32, 32, 4))
+    x = keras.layers.Conv2D(16, 3, padding="same")(inp)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    out = keras.layers.Conv2D(10, 1, activation="softmax", name="output")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
+    plan = dataclasses.replace(h.plan_for(model, segments), pin_order=not segments)
+    rewritten = rewrite_model(model, plan)
+    rewritten.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
+    step = tf.function(step_function(rewritten))
+    x = tf.random.normal((16, 32, 32, 4))
+    y = tf.one_hot(tf.zeros((16, 32, 32), tf.int32), 10)
+    in_use = []
+    for _ in range(3):
+        in_use.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+        tf.nest.map_structure(lambda t: t.numpy(), step(x, y))
+    output_bytes = 16 * 32 * 32 * 10 * 4  # 640 KiB
+    assert in_use[2] - in_use[0] < output_bytes // 4, (in_use, output_bytes)

@@ -18,7 +18,7 @@ from tfremat.core import (MIB, BudgetError, Plan, PlanGraph, UnsupportedModelErr
                           budget_unit_hint, check_count, interrupts_deferred, warn)
 from tfremat.export import picture_format, summary, write_picture
 from tfremat.graph import extract, is_subclassed, unbuilt_layers
-from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available
+from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available, xla_compiled
 from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
 from tfremat.rewriter import PlanInstallation
@@ -497,7 +497,7 @@ class Planner(keras.callbacks.Callback):
 
     def _install(self, plan: Plan) -> None:
         jit_compile = None
-        if plan.offloaded and self.model.jit_compile:
+        if plan.offloaded and xla_compiled(self.model):
             # XLA ignores tf.device: the host copies would stay on the device.
             warn("tfremat: the plan offloads activations to host memory, which "
                  "XLA cannot do; this fit runs the step without XLA.",

@@ -37,6 +37,7 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+from tfremat.backend import xla_compiled
 from tfremat.core import Plan, PlanGraph, interrupts_deferred, warn
 from tfremat.graph import is_subclassed
 from tfremat.simulation import simulate
@@ -157,7 +158,7 @@ def choose_updates(model: keras.Model, graph: PlanGraph, budget_bytes: int,
     if setting == "auto":
         # XLA first: its step is measured, not predicted, so "predicted to fit"
         # would not be why a plan chosen by measurement keeps its updates after.
-        if getattr(model, "jit_compile", False) is True:
+        if xla_compiled(model):
             return False, UNDER_XLA
         if simulate(graph).peak_bytes <= budget_bytes:
             return False, ("not needed: the step without a plan is predicted to fit the "

@@ -21,8 +21,9 @@ ones (masks) wait through `x or False`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 
@@ -63,20 +64,104 @@ def recompute_grad(f: Callable[..., Any],
             dep = tf.minimum(tf.abs(tf.reduce_max(tf.concat(firsts, 0))), 0.0)
             recompute_args = _after(list(args), dep)
             variables = list(variables or [])
-            with tf.GradientTape() as tape:
-                tape.watch([x for x in recompute_args if x.dtype.is_floating])
-                tape.watch(variables)
-                outputs = f(*_apart(recompute_args))
-            grads = tape.gradient(outputs, recompute_args + variables,
-                                  output_gradients=list(dresult),
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            if not tf.executing_eagerly() and not in_xla():
+                outputs, wide = _graph_call(f, recompute_args)
+                pairs = _with_gradients(tf.nest.flatten(outputs), dresult)
+                input_grads, var_grads = _graph_gradients(pairs, recompute_args, variables,
+                                                          wide)
+            else:
+                with tf.GradientTape() as tape:
+                    tape.watch([x for x in recompute_args if x.dtype.is_floating])
+                    tape.watch(variables)
+                    outputs = f(*_apart(recompute_args))
+                grads = tape.gradient(outputs, recompute_args + variables,
+                                      output_gradients=list(dresult),
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                input_grads, var_grads = grads[:len(args)], grads[len(args):]
             if after_grads is not None:
-                return after_grads(grads[:len(args)], variables, grads[len(args):])
-            return grads[:len(args)], grads[len(args):]
+                return after_grads(input_grads, variables, var_grads)
+            return input_grads, var_grads
 
         return result, grad
 
     return inner
+
+
+def _with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """The (output, gradient) pairs of a unit whose gradient is not known zero.
+
+    A tape hands a custom gradient zeros for an output nothing differentiates
+    (a softmax output whose loss reads its logits, `_keras_logits`). In a
+    graph those zeros have a static shape, and Grappler folds them into a
+    constant the step then holds for as long as the model trains (a U-Net's
+    per-pixel softmax: 5 MiB); differentiated, they cost a backward pass
+    through the output for nothing. Without them the step is as without the
+    unit: nothing flows back from that output.
+    """
+    return [(y, dy) for y, dy in zip(outputs, dresult)
+            if dy is not None and not _known_zeros(dy)]
+
+
+def _graph_call(f: Callable[..., Any], args: list[Any]) -> tuple[Any, bool]:
+    """`f(*args)` in the graph being built (through `_apart`), and whether it
+    computes in 32- or 64-bit floats only (see `_graph_gradients`)."""
+    graph = tf.compat.v1.get_default_graph()
+    made = len(graph.get_operations())
+    result = f(*_apart(args))
+    narrow = any(t.dtype in (tf.float16, tf.bfloat16)
+                 for op in graph.get_operations()[made:] for t in op.outputs)
+    return result, not narrow
+
+
+def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any], variables: list[Any],
+                     wide: bool) -> tuple[list[Any], list[Any]]:
+    """The gradients, from the graph's ops (`tf.gradients`), of the outputs in
+    `pairs` (each with its incoming gradient) with respect to the floating
+    `args` (None for the others) and to `variables`; None where unconnected.
+
+    The arguments are held constant: a shared weight read before them gets
+    this unit's part of its gradient only, as on a tape.
+
+    A tensor read by more than two ops (a batch normalization's input) gets
+    the sum of their gradients. Grappler's memory optimizer rewrites such an
+    `AddN` into a temporary variable it initialises from zeros, which
+    constant folding turns into a constant the step holds for as long as the
+    model trains (16 MiB on a U-Net's plan). Here the gradients are summed two at a time, each sum kept
+    from Grappler's arithmetic optimizer (which would merge them back into
+    one `AddN`). On CPU the sums are bit-identical to AddN's up to nine terms
+    (measured; AddN adds more in groups of eight, a rounding apart). Only
+    where the unit computes in `wide` floats: with a 16-bit compute dtype
+    (mixed precision) a Transformer trained so ended 6e-6 (relative) away from
+    plain training, though pairwise and AddN sums of bfloat16 tensors are
+    equal alone (the cause is not known), so such units keep TensorFlow's sums.
+    """
+    floating = [k for k, x in enumerate(args) if x.dtype.is_floating]
+    sources = [args[k] for k in floating] + variables
+    graph = tf.compat.v1.get_default_graph()
+    made = len(graph.get_operations())
+    found = tf.gradients([y for y, _ in pairs], sources, grad_ys=[dy for _, dy in pairs],
+                         stop_gradients=list(args),
+                         aggregation_method=tf.AggregationMethod.EXPERIMENTAL_TREE if wide
+                         else None) if pairs else [None] * len(sources)
+    for op in graph.get_operations()[made:] if wide else []:
+        if op.type == "AddN":
+            keep(op.outputs[0])
+    input_grads: list[Any] = [None] * len(args)
+    for k, g in zip(floating, found):
+        input_grads[k] = g
+    return input_grads, list(found[len(floating):])
+
+
+def _known_zeros(t: Any) -> bool:
+    """Whether graph tensor `t` is zeros by construction (`tf.zeros`,
+    `tf.zeros_like`, a constant of zeros)."""
+    if tf.executing_eagerly() or not hasattr(t, "op"):
+        return False
+    if t.op.type == "ZerosLike":
+        return True
+    value = tf.get_static_value(t.op.inputs[1] if t.op.type == "Fill" else t) \
+        if t.op.type in ("Fill", "Const") else None
+    return value is not None and not np.any(value)
 
 
 def _after(args: list[tf.Tensor], dep: tf.Tensor) -> list[tf.Tensor]:
@@ -93,10 +178,10 @@ def _after(args: list[tf.Tensor], dep: tf.Tensor) -> list[tf.Tensor]:
 def _apart(args: list[tf.Tensor]) -> list[tf.Tensor]:
     """`args` through a reshape each, so that no two get one gradient tensor.
 
-    In a graph, a tape asked for the gradients of sources `a` and `b` whose
-    gradient is one tensor (`f` begins with `a + b`) keeps two references to
-    it that are never released (TensorFlow 2.21), and with them the whole
-    traced step: measuring a plan then left the step and the stand-in
+    In a graph, a tape or `tf.gradients` asked for the gradients of sources
+    `a` and `b` whose gradient is one tensor (`f` begins with `a + b`, as a
+    residual network's `Add` unit does) keeps references to it that are never
+    released (TensorFlow 2.21), and with them the whole traced step: measuring a plan then left the step and the stand-in
     optimizer's slots on the device (19 MiB per measurement of a MobileNetV2).
     The gradient of a reshape is a tensor of its own; the reshape itself
     copies nothing (its output shares its input's buffer; under XLA it is a
@@ -136,24 +221,13 @@ def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., A
     def inner(*args: Any) -> Any:
         if not tf.executing_eagerly() and not in_xla():
             with record.stop_recording():
-                result = f(*args)
+                result, wide = _graph_call(f, list(args))
 
             def graph_grad(*dresult: Any, variables: Any = None) -> Any:
                 variables = list(variables or [])
-                flat = tf.nest.flatten(result)
-                pairs = [(y, dy) for y, dy in zip(flat, dresult) if dy is not None]
-                floating = [k for k, x in enumerate(args) if x.dtype.is_floating]
-                sources = [args[k] for k in floating] + variables
-                # The inputs are held constant: a shared weight read before them
-                # gets this unit's part of its gradient only, as on a tape.
-                found = tf.gradients([y for y, _ in pairs], sources,
-                                     grad_ys=[dy for _, dy in pairs],
-                                     stop_gradients=list(args)) if pairs else \
-                    [None] * len(sources)
-                input_grads: list[Any] = [None] * len(args)
-                for k, g in zip(floating, found):
-                    input_grads[k] = g
-                return after_grads(input_grads, variables, list(found[len(floating):]))
+                pairs = _with_gradients(tf.nest.flatten(result), dresult)
+                input_grads, var_grads = _graph_gradients(pairs, list(args), variables, wide)
+                return after_grads(input_grads, variables, var_grads)
 
             return result, graph_grad
 
