@@ -90,12 +90,9 @@ def test_a_unit_fed_only_a_boolean_mask_recomputes_after_its_gradient_arrives():
     upstream = graph.inputs[1].op.name
     matmuls = [op for op in graph.get_operations() if op.type == "MatMul"]
     waiting = [op for op in matmuls if upstream in _ancestors(op.outputs[0])]
-    # The forward matmul runs at once; the recomputed one and the gradient
-    # matmuls (`tf.gradients` makes the input's too, which nothing reads and
-    # the function prunes) wait for the gradient.
-    recomputed = [op for op in waiting if "_grad" not in op.name]
-    assert len(matmuls) - len(waiting) == 1 and len(recomputed) == 1, \
-        [op.name for op in matmuls]
+    # The forward matmul, the recomputed one and the kernel's gradient matmul:
+    # the last two wait for the gradient.
+    assert len(matmuls) == 3 and len(waiting) == 2, [op.name for op in matmuls]
 
 
 def test_the_recompute_reads_its_input_uncopied_and_waits_after_grappler():

@@ -64,20 +64,18 @@ def recompute_grad(f: Callable[..., Any],
             dep = tf.minimum(tf.abs(tf.reduce_max(tf.concat(firsts, 0))), 0.0)
             recompute_args = _after(list(args), dep)
             variables = list(variables or [])
-            if not tf.executing_eagerly() and not in_xla():
-                outputs, wide = _graph_call(f, recompute_args)
-                pairs = _with_gradients(tf.nest.flatten(outputs), dresult)
-                input_grads, var_grads = _graph_gradients(pairs, recompute_args, variables,
-                                                          wide)
-            else:
-                with tf.GradientTape() as tape:
-                    tape.watch([x for x in recompute_args if x.dtype.is_floating])
-                    tape.watch(variables)
-                    outputs = f(*_apart(recompute_args))
-                grads = tape.gradient(outputs, recompute_args + variables,
-                                      output_gradients=list(dresult),
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                input_grads, var_grads = grads[:len(args)], grads[len(args):]
+            # A tape, not the graph's gradients: those search the graph from
+            # each variable, and nested segments call them level by level
+            # (ResNet152's `auto` plan traced for more than 7 minutes).
+            with tf.GradientTape() as tape:
+                tape.watch([x for x in recompute_args if x.dtype.is_floating])
+                tape.watch(variables)
+                outputs = f(*_apart(recompute_args))
+            pairs = _with_gradients(tf.nest.flatten(outputs), dresult)
+            grads = tape.gradient([y for y, _ in pairs], recompute_args + variables,
+                                  output_gradients=[dy for _, dy in pairs],
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            input_grads, var_grads = grads[:len(args)], grads[len(args):]
             if after_grads is not None:
                 return after_grads(input_grads, variables, var_grads)
             return input_grads, var_grads
