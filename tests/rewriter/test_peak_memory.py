@@ -89,9 +89,8 @@ def test_a_rewritten_step_holds_nothing_once_it_has_run(segments):
     """The tape hands a unit's gradient function zeros for an output nothing
     differentiates (a softmax output: Keras's crossentropy reads its logits),
     and Grappler folded them into a constant the step held for good (5 MiB
-    for a U-Net's per-pixel softmax; the sum of a batch normalization's input
-    gradients, 16 MiB more, likewise). A pinned plan wraps every unit so;
-    a segment holding the output layer too."""
+    for a U-Net's per-pixel softmax). A pinned plan wraps every unit so; a
+    segment holding the output layer too."""
     keras.utils.set_random_seed(17)
     inp = keras.Input((32, 32, 4))
     x = keras.layers.Conv2D(16, 3, padding="same")(inp)

@@ -124,14 +124,16 @@ def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any], variables: l
     the sum of their gradients. Grappler's memory optimizer rewrites such an
     `AddN` into a temporary variable it initialises from zeros, which
     constant folding turns into a constant the step holds for as long as the
-    model trains (16 MiB on a U-Net's plan). Here the gradients are summed two at a time, each sum kept
-    from Grappler's arithmetic optimizer (which would merge them back into
-    one `AddN`). On CPU the sums are bit-identical to AddN's up to nine terms
-    (measured; AddN adds more in groups of eight, a rounding apart). Only
-    where the unit computes in `wide` floats: with a 16-bit compute dtype
-    (mixed precision) a Transformer trained so ended 6e-6 (relative) away from
-    plain training, though pairwise and AddN sums of bfloat16 tensors are
-    equal alone (the cause is not known), so such units keep TensorFlow's sums.
+    model trains (16 MiB on a U-Net's plan). Here the gradients are summed
+    two at a time, each sum kept from Grappler's arithmetic optimizer (which
+    would merge them back into one `AddN`). On CPU the sums are bit-identical
+    to AddN's up to nine terms (measured; AddN adds more in groups of eight, a
+    rounding apart). Only where the unit computes in `wide` floats: with a
+    16-bit compute dtype (mixed precision) a Transformer trained so ended
+    6e-6 (relative) away from plain training, though pairwise and AddN sums
+    of bfloat16 tensors are equal alone (the cause is not known), so such
+    units keep TensorFlow's sums. (A recompute segment's tape sums as
+    TensorFlow does: asked of the graph, nested segments traced for minutes.)
     """
     floating = [k for k, x in enumerate(args) if x.dtype.is_floating]
     sources = [args[k] for k in floating] + variables
@@ -179,8 +181,9 @@ def _apart(args: list[tf.Tensor]) -> list[tf.Tensor]:
     In a graph, a tape or `tf.gradients` asked for the gradients of sources
     `a` and `b` whose gradient is one tensor (`f` begins with `a + b`, as a
     residual network's `Add` unit does) keeps references to it that are never
-    released (TensorFlow 2.21), and with them the whole traced step: measuring a plan then left the step and the stand-in
-    optimizer's slots on the device (19 MiB per measurement of a MobileNetV2).
+    released (TensorFlow 2.21), and with them the whole traced step: measuring
+    a plan then left the step and the stand-in optimizer's slots on the device
+    (19 MiB per measurement of a MobileNetV2).
     The gradient of a reshape is a tensor of its own; the reshape itself
     copies nothing (its output shares its input's buffer; under XLA it is a
     bitcast).
