@@ -130,7 +130,7 @@ def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any], variables: l
     to AddN's up to nine terms (measured; AddN adds more in groups of eight, a
     rounding apart). Only where the unit computes in `wide` floats: with a
     16-bit compute dtype (mixed precision) a Transformer trained so ended
-    6e-6 (relative) away from plain training, though pairwise and AddN sums
+    4.6e-6 (relative) away from plain training, though pairwise and AddN sums
     of bfloat16 tensors are equal alone (the cause is not known), so such
     units keep TensorFlow's sums. (A recompute segment's tape sums as
     TensorFlow does: asked of the graph, nested segments traced for minutes.)
