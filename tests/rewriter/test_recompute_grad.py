@@ -212,18 +212,23 @@ def test_a_traced_step_whose_unit_begins_with_an_addition_is_released(wrap, jit)
     assert graph() is None
 
 
-def test_a_kept_unit_sums_its_gradients_two_at_a_time_after_grappler():
+@pytest.mark.parametrize("kind", ["kept", "recomputed"])
+def test_a_unit_sums_its_gradients_two_at_a_time_after_grappler(kind):
     """A tensor read three times gets a sum of three gradients, which
     Grappler's memory optimizer may turn into a temporary variable and a zeros
     constant the step holds for good (16 MiB on a U-Net). Summed two at a
     time, no sum of more than two is left after Grappler (with TensorFlow's
-    own sums, one of three); the gradient is the tape's. (That unmarked sums
-    get merged back was seen on the U-Net's step, not in this small one.)"""
+    own sums, one of three). The terms are added in the order Grappler gives
+    an `AddN` (by name), so the gradient is bit-identical to that of TensorFlow's
+    sums: the tape's for a recomputed unit; for a kept one, which takes the
+    graph's gradients (whose names order the terms otherwise), theirs."""
 
     def unit(x):
         return tf.sin(x) + tf.cos(x) * tf.exp(x)
 
-    kept = keep_grad(unit, lambda gi, v, gv: (gi, gv))
+    after_grads = lambda gi, v, gv: (gi, gv)  # noqa: E731
+    wrapped = (keep_grad(unit, after_grads) if kind == "kept"
+               else recompute_grad(unit, after_grads))
 
     def step_of(fn):
         def step(x, upstream):
@@ -234,7 +239,7 @@ def test_a_kept_unit_sums_its_gradients_two_at_a_time_after_grappler():
         return tf.function(step)
 
     spec = tf.TensorSpec((4, 8))
-    concrete = step_of(kept).get_concrete_function(spec, spec)
+    concrete = step_of(wrapped).get_concrete_function(spec, spec)
     graph = concrete.graph
     meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(), graph=graph)
     meta.collection_def["train_op"].node_list.value.extend(
@@ -245,5 +250,10 @@ def test_a_kept_unit_sums_its_gradients_two_at_a_time_after_grappler():
     assert sums and max(sums.values()) == 2, sums
     x = tf.random.stateless_normal((4, 8), [5, 6])
     upstream = tf.random.stateless_normal((4, 8), [7, 8])
-    np.testing.assert_allclose(step_of(kept)(x, upstream), step_of(unit)(x, upstream),
-                               rtol=1e-6, atol=1e-7)
+    got = step_of(wrapped)(x, upstream)
+    if kind == "recomputed":
+        np.testing.assert_array_equal(got, step_of(unit)(x, upstream))
+        return
+    graphs = tf.function(lambda x, upstream: tf.gradients(unit(x), x, grad_ys=upstream)[0])
+    np.testing.assert_array_equal(got, graphs(x, upstream))
+    np.testing.assert_allclose(got, step_of(unit)(x, upstream), rtol=1e-6, atol=1e-7)

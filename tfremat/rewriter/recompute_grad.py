@@ -72,9 +72,12 @@ def recompute_grad(f: Callable[..., Any],
                 tape.watch(variables)
                 outputs = f(*_apart(recompute_args))
             pairs = _with_gradients(tf.nest.flatten(outputs), dresult)
+            made = _operation_count()
             grads = tape.gradient([y for y, _ in pairs], recompute_args + variables,
                                   output_gradients=[dy for _, dy in pairs],
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            if not in_xla():
+                grads = _summed_in_pairs(made, grads)
             input_grads, var_grads = grads[:len(args)], grads[len(args):]
             if after_grads is not None:
                 return after_grads(input_grads, variables, var_grads)
@@ -100,56 +103,74 @@ def _with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[An
             if dy is not None and not _known_zeros(dy)]
 
 
-def _graph_call(f: Callable[..., Any], args: list[Any]) -> tuple[Any, bool]:
-    """`f(*args)` in the graph being built (through `_apart`), and whether it
-    computes in 32- or 64-bit floats only (see `_graph_gradients`)."""
-    graph = tf.compat.v1.get_default_graph()
-    made = len(graph.get_operations())
-    result = f(*_apart(args))
-    narrow = any(t.dtype in (tf.float16, tf.bfloat16)
-                 for op in graph.get_operations()[made:] for t in op.outputs)
-    return result, not narrow
-
-
-def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any], variables: list[Any],
-                     wide: bool) -> tuple[list[Any], list[Any]]:
+def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any],
+                     variables: list[Any]) -> tuple[list[Any], list[Any]]:
     """The gradients, from the graph's ops (`tf.gradients`), of the outputs in
     `pairs` (each with its incoming gradient) with respect to the floating
     `args` (None for the others) and to `variables`; None where unconnected.
 
     The arguments are held constant: a shared weight read before them gets
-    this unit's part of its gradient only, as on a tape.
-
-    A tensor read by more than two ops (a batch normalization's input) gets
-    the sum of their gradients. Grappler's memory optimizer rewrites such an
-    `AddN` into a temporary variable it initialises from zeros, which
-    constant folding turns into a constant the step holds for as long as the
-    model trains (16 MiB on a U-Net's plan). Here the gradients are summed
-    two at a time, each sum kept from Grappler's arithmetic optimizer (which
-    would merge them back into one `AddN`). On CPU the sums are bit-identical
-    to AddN's up to nine terms (measured; AddN adds more in groups of eight, a
-    rounding apart). Only where the unit computes in `wide` floats: with a
-    16-bit compute dtype (mixed precision) a Transformer trained so ended
-    4.6e-6 (relative) away from plain training, though pairwise and AddN sums
-    of bfloat16 tensors are equal alone (the cause is not known), so such
-    units keep TensorFlow's sums. (A recompute segment's tape sums as
-    TensorFlow does: asked of the graph, nested segments traced for minutes.)
+    this unit's part of its gradient only, as on a tape. Sums of more than
+    two gradients are made two at a time (`_summed_in_pairs`).
     """
     floating = [k for k, x in enumerate(args) if x.dtype.is_floating]
     sources = [args[k] for k in floating] + variables
-    graph = tf.compat.v1.get_default_graph()
-    made = len(graph.get_operations())
+    made = _operation_count()
     found = tf.gradients([y for y, _ in pairs], sources, grad_ys=[dy for _, dy in pairs],
-                         stop_gradients=list(args),
-                         aggregation_method=tf.AggregationMethod.EXPERIMENTAL_TREE if wide
-                         else None) if pairs else [None] * len(sources)
-    for op in graph.get_operations()[made:] if wide else []:
-        if op.type == "AddN":
-            keep(op.outputs[0])
+                         stop_gradients=list(args)) if pairs else [None] * len(sources)
+    found = _summed_in_pairs(made, found)
     input_grads: list[Any] = [None] * len(args)
     for k, g in zip(floating, found):
         input_grads[k] = g
     return input_grads, list(found[len(floating):])
+
+
+def _operation_count() -> int:
+    """How many operations the graph being built has (0 when eager)."""
+    if tf.executing_eagerly():
+        return 0
+    return len(tf.compat.v1.get_default_graph().get_operations())
+
+
+def _summed_in_pairs(made: int, grads: list[Any]) -> list[Any]:
+    """`grads`, with every sum of more than two gradients that the graph got
+    since its operation `made` (an `AddN`) made two at a time instead.
+
+    A tape, or `tf.gradients`, sums the gradients of a tensor read by more
+    than two ops (a batch normalization's input) in one `AddN`. Grappler's
+    memory optimizer rewrites such an `AddN` into a temporary variable it
+    initialises from zeros, which constant folding turns into a constant the
+    step holds for as long as the model trains (16 MiB on a U-Net's plan). A
+    sum of two is left alone: here the terms are added from the left in the
+    order Grappler gives an `AddN`'s inputs (sorted by name), which is the
+    order the `AddN` adds them in (bit-identical, measured), each sum kept
+    from Grappler's arithmetic optimizer (which would merge them back into
+    one `AddN`). The `AddN`'s readers read the last sum; read by nothing, it
+    is pruned. Eager, nothing is made in a graph and `grads` are returned.
+    """
+    if tf.executing_eagerly():
+        return grads
+    replaced = {}
+    for op in tf.compat.v1.get_default_graph().get_operations()[made:]:
+        if op.type != "AddN" or len(op.inputs) <= 2:
+            continue
+        terms = sorted(op.inputs, key=_input_name)
+        with tf.name_scope(op.name.split("/")[-1] + "_in_pairs"), \
+                tf.control_dependencies(op.control_inputs):
+            total = terms[0]
+            for term in terms[1:]:
+                total = keep(tf.math.add_n([total, term]))
+        for reader in op.outputs[0].consumers():
+            for k, t in enumerate(reader.inputs):
+                if t is op.outputs[0]:
+                    reader._update_input(k, total)
+        replaced[op.outputs[0].ref()] = total
+    return [replaced.get(g.ref(), g) if isinstance(g, tf.Tensor) else g for g in grads]
+
+
+def _input_name(t: tf.Tensor) -> str:
+    """How a graph's node names tensor `t` as its input (`op` or `op:k`)."""
+    return t.op.name if t.value_index == 0 else f"{t.op.name}:{t.value_index}"
 
 
 def _known_zeros(t: Any) -> bool:
@@ -222,12 +243,12 @@ def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., A
     def inner(*args: Any) -> Any:
         if not tf.executing_eagerly() and not in_xla():
             with record.stop_recording():
-                result, wide = _graph_call(f, list(args))
+                result = f(*_apart(list(args)))
 
             def graph_grad(*dresult: Any, variables: Any = None) -> Any:
                 variables = list(variables or [])
                 pairs = _with_gradients(tf.nest.flatten(result), dresult)
-                input_grads, var_grads = _graph_gradients(pairs, list(args), variables, wide)
+                input_grads, var_grads = _graph_gradients(pairs, list(args), variables)
                 return after_grads(input_grads, variables, var_grads)
 
             return result, graph_grad
