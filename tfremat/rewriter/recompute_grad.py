@@ -72,12 +72,11 @@ def recompute_grad(f: Callable[..., Any],
                 tape.watch(variables)
                 outputs = f(*_apart(recompute_args))
             pairs = _with_gradients(tf.nest.flatten(outputs), dresult)
-            made = _operation_count()
+            made = operation_count()
             grads = tape.gradient([y for y, _ in pairs], recompute_args + variables,
                                   output_gradients=[dy for _, dy in pairs],
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            if not in_xla():
-                grads = _summed_in_pairs(made, grads)
+            grads = summed_in_pairs(made, grads)
             input_grads, var_grads = grads[:len(args)], grads[len(args):]
             if after_grads is not None:
                 return after_grads(input_grads, variables, var_grads)
@@ -111,33 +110,34 @@ def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any],
 
     The arguments are held constant: a shared weight read before them gets
     this unit's part of its gradient only, as on a tape. Sums of more than
-    two gradients are made two at a time (`_summed_in_pairs`).
+    two gradients are made two at a time (`summed_in_pairs`).
     """
     floating = [k for k, x in enumerate(args) if x.dtype.is_floating]
     sources = [args[k] for k in floating] + variables
-    made = _operation_count()
+    made = operation_count()
     found = tf.gradients([y for y, _ in pairs], sources, grad_ys=[dy for _, dy in pairs],
                          stop_gradients=list(args)) if pairs else [None] * len(sources)
-    found = _summed_in_pairs(made, found)
+    found = summed_in_pairs(made, found)
     input_grads: list[Any] = [None] * len(args)
     for k, g in zip(floating, found):
         input_grads[k] = g
     return input_grads, list(found[len(floating):])
 
 
-def _operation_count() -> int:
+def operation_count() -> int:
     """How many operations the graph being built has (0 when eager)."""
     if tf.executing_eagerly():
         return 0
     return len(tf.compat.v1.get_default_graph().get_operations())
 
 
-def _summed_in_pairs(made: int, grads: list[Any]) -> list[Any]:
+def summed_in_pairs(made: int, grads: list[Any]) -> list[Any]:
     """`grads`, with every sum of more than two gradients that the graph got
     since its operation `made` (an `AddN`) made two at a time instead.
 
     A tape, or `tf.gradients`, sums the gradients of a tensor read by more
-    than two ops (a batch normalization's input) in one `AddN`. Grappler's
+    than two ops (a batch normalization's input) in one `AddN` (here, sums of
+    floats are replaced). Grappler's
     memory optimizer rewrites such an `AddN` into a temporary variable it
     initialises from zeros, which constant folding turns into a constant the
     step holds for as long as the model trains (16 MiB on a U-Net's plan). A
@@ -146,13 +146,14 @@ def _summed_in_pairs(made: int, grads: list[Any]) -> list[Any]:
     order the `AddN` adds them in (bit-identical, measured), each sum kept
     from Grappler's arithmetic optimizer (which would merge them back into
     one `AddN`). The `AddN`'s readers read the last sum; read by nothing, it
-    is pruned. Eager, nothing is made in a graph and `grads` are returned.
+    is pruned. Eager, or compiled by XLA (which ignores the mark and fuses
+    sums its own way), `grads` are returned as they are.
     """
-    if tf.executing_eagerly():
+    if tf.executing_eagerly() or in_xla():
         return grads
     replaced = {}
     for op in tf.compat.v1.get_default_graph().get_operations()[made:]:
-        if op.type != "AddN" or len(op.inputs) <= 2:
+        if op.type != "AddN" or len(op.inputs) <= 2 or not op.outputs[0].dtype.is_floating:
             continue
         terms = sorted(op.inputs, key=_input_name)
         with tf.name_scope(op.name.split("/")[-1] + "_in_pairs"), \
