@@ -226,7 +226,9 @@ def test_a_unit_sums_its_gradients_two_at_a_time_after_grappler(kind):
     def unit(x):
         return tf.sin(x) + tf.cos(x) * tf.exp(x)
 
-    after_grads = lambda gi, v, gv: (gi, gv)  # noqa: E731
+    def after_grads(input_grads, variables, variable_grads):
+        return input_grads, variable_grads
+
     wrapped = (keep_grad(unit, after_grads) if kind == "kept"
                else recompute_grad(unit, after_grads))
 
