@@ -1,8 +1,11 @@
 """What is live at the measured peak of a training step, from the profiler's memory events.
 
-For each model of `planners.py` named (same sizes, SGD), in a fresh process, the
-plain step and the step with the optimizer's updates in the backward pass (a
-plan without recomputation, `update_in_backward=True`): two
+For each model of `planners.py` named (same sizes, SGD) and each variant, in a
+fresh process: the plain step, the step with the optimizer's updates in the
+backward pass (a plan without recomputation, `update_in_backward=True`), or a
+row of `planners.PLANNERS` planned at its minimum budget (which also records
+the simulator's predicted peak, where it is, and its largest buffers live
+there, to set beside the measured ones): two
 warm-up steps, then one step under TensorFlow's profiler with
 `host_tracer_level=3`, which records every allocation and deallocation of the
 allocator with its op, region type and shape and the bytes in use after it.
@@ -19,8 +22,9 @@ relative to the weight-gradient ops (the profiler's op events of the same step).
 
 Usage:
     python benchmarks/peak_contents.py [--models ResNet50,VGG19]
+        [--variants plain,updates] [--output peak_contents]
 
-Writes benchmarks/results/peak_contents.md.
+Writes benchmarks/results/<output>.md.
 """
 
 from __future__ import annotations
@@ -38,21 +42,24 @@ import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import MODELS, RESULTS, model_names, run_header  # noqa: E402
+from planners import MODELS, PLANNERS, RESULTS, model_names, run_header  # noqa: E402
 
 MIB = 2**20
 WEIGHT_GRADIENT_OPS = ("BackpropFilter", "BiasAddGrad", "MatMul_1")
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 
 
-def memory_events(name: str, directory: str, updates: bool
-                  ) -> tuple[list[tuple[int, str, dict]], float, list[tuple[int, int, str]]]:
+def memory_events(name: str, directory: str, variant: str
+                  ) -> tuple[list[tuple[int, str, dict]], float, list[tuple[int, int, str]],
+                             dict[str, Any]]:
     """The allocator's events during one step of `name`, in time order; the
-    peak `get_memory_info` reports for that step; and its ops' (start, end,
-    name), in picoseconds. With `updates`, the step runs the optimizer's
-    updates in the backward pass (a plan without recomputation)."""
+    peak `get_memory_info` reports for that step; its ops' (start, end,
+    name), in picoseconds; and, for a planned variant, the simulator's
+    prediction (`predicted`). `variant`: "plain", "updates" (the optimizer's
+    updates in the backward pass, without recomputation) or a row of
+    `PLANNERS` planned at its minimum budget."""
     import tensorflow as tf
-    from planners import build_model, compile_like_original, synthetic_xy
+    from planners import build_model, compile_like_original, plan_at_minimum, synthetic_xy
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     from tfremat.api import rewrite
@@ -60,9 +67,14 @@ def memory_events(name: str, directory: str, updates: bool
     from tfremat.graph import extract, step_function
 
     model, batch = build_model(name)
-    if updates:
+    prediction: dict[str, Any] = {}
+    if variant != "plain":
         graph = extract(model, batch_size=batch)
-        plan = Plan.from_segments(graph, [], planner="none", update_in_backward=True)
+        if variant == "updates":
+            plan = Plan.from_segments(graph, [], planner="none", update_in_backward=True)
+        else:
+            plan = plan_at_minimum(graph, variant)
+            prediction = predicted(graph, plan)
         model = rewrite(model, plan)
         compile_like_original(model)
     x, y = synthetic_xy(model, batch)
@@ -95,7 +107,26 @@ def memory_events(name: str, directory: str, updates: bool
                          for s in event.stats}
                 events.append((start, kind, stats))
     events.sort(key=lambda e: e[0])
-    return events, peak, sorted(ops)
+    return events, peak, sorted(ops), prediction
+
+
+def predicted(graph: Any, plan: Any) -> dict[str, Any]:
+    """The simulator's peak for `plan`, the step of the schedule it is at, its
+    persistent bytes, and the largest buffers live there."""
+    from tfremat.simulation import build_schedule, simulate
+
+    estimate = simulate(graph, plan)
+    schedule = build_schedule(graph, plan)
+    at = max(range(len(estimate.timeline)), key=lambda k: estimate.timeline[k][1])
+    live = sorted(((schedule.size[key], key) for key, made in schedule.alloc_step.items()
+                   if made <= at <= schedule.last_use[key] and schedule.size[key]),
+                  key=lambda item: -item[0])
+    return {"peak_mib": estimate.peak_bytes / MIB, "at": estimate.timeline[at][0],
+            "persistent_mib": estimate.persistent_bytes / MIB,
+            "segments": len(plan.segments), "pinned": bool(plan.pin_order),
+            "step_buffers_mib": sum(size for size, _ in live) / MIB,
+            "transient_mib": schedule.transient[at] / MIB,
+            "largest": [{"mib": size / MIB, "buffer": str(key)} for size, key in live[:8]]}
 
 
 def update_delays(ops: list[tuple[int, int, str]]) -> dict[str, Any]:
@@ -197,30 +228,48 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [f"| `{b['op']}` | {b['mib']:.2f} | {b['requested_mib']:.2f} | "
                   f"{b['region']} | {b['shape']} |" for b in rec["largest"]]
         lines.append("")
+        pred = rec.get("predicted")
+        if pred:
+            lines += [f"Predicted ({pred['segments']} segments, "
+                      f"{'pinned' if pred['pinned'] else 'free'}): {pred['peak_mib']:.1f} MiB "
+                      f"at `{pred['at']}`, {pred['persistent_mib']:.1f} of them persistent; "
+                      f"the buffers the step made live there: {pred['step_buffers_mib']:.1f} MiB, "
+                      f"and {pred['transient_mib']:.1f} MiB of workspace.", "",
+                      "| largest buffers at the predicted peak | MiB |", "|---|---:|"]
+            lines += [f"| `{b['buffer']}` | {b['mib']:.2f} |" for b in pred["largest"]]
+            lines.append("")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="ResNet50,VGG19")
+    parser.add_argument("--variants", default="plain,updates",
+                        help="plain, updates, or rows of planners.PLANNERS, comma-separated")
+    parser.add_argument("--output", default="peak_contents")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        name, updates = args.worker[0], args.worker[1] == "updates"
+        name, variant = args.worker
         with tempfile.TemporaryDirectory() as directory:
-            events, peak, ops = memory_events(name, directory, updates)
-        print(json.dumps({"model": name + (" with updates in the backward pass" if updates
-                                           else ""),
-                          **analyse(events, peak), "updates": update_delays(ops)}))
+            events, peak, ops, prediction = memory_events(name, directory, variant)
+        label = {"plain": "", "updates": " with updates in the backward pass"}.get(
+            variant, f", {variant} at its minimum")
+        print(json.dumps({"model": name + label, **analyse(events, peak),
+                          "updates": update_delays(ops), "predicted": prediction}))
         return
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in ("plain", "updates") and v not in PLANNERS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose plain, updates or {list(PLANNERS)}")
     data = run_header(__file__, 1, 1)
     for name in model_names(parser, args.models, MODELS):
-        for updates in ("plain", "updates"):
-            out = subprocess.run([sys.executable, __file__, "--worker", name, updates],
+        for variant in variants:
+            out = subprocess.run([sys.executable, __file__, "--worker", name, variant],
                                  check=True, capture_output=True, text=True).stdout
             data["records"].append(json.loads(out.strip().splitlines()[-1]))
     text = markdown(data)
-    with open(os.path.join(RESULTS, "peak_contents.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.output}.md"), "w") as f:
         f.write(text)
     print(text)
 

@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -590,7 +591,7 @@ def onednn() -> str:
 def run_header(script: str, repeats: int, steps: int) -> dict[str, Any]:
     """The command, machine and settings a benchmark's results record."""
     return {
-        "command": "python " + " ".join(
+        "command": "python " + shlex.join(
             [f"benchmarks/{os.path.basename(script)}", *sys.argv[1:]]),
         "machine": machine(), "repeats": repeats, "steps": steps, "records": []}
 
