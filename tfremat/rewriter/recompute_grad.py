@@ -132,22 +132,22 @@ def operation_count() -> int:
 
 
 def summed_in_pairs(made: int, grads: list[Any]) -> list[Any]:
-    """`grads`, with every sum of more than two gradients that the graph got
-    since its operation `made` (an `AddN`) made two at a time instead.
+    """`grads`, with every sum of more than two float gradients that the graph
+    got since its operation `made` (an `AddN`) made two at a time instead.
 
     A tape, or `tf.gradients`, sums the gradients of a tensor read by more
-    than two ops (a batch normalization's input) in one `AddN` (here, sums of
-    floats are replaced). Grappler's
+    than two ops (a batch normalization's input) in one `AddN`. Grappler's
     memory optimizer rewrites such an `AddN` into a temporary variable it
     initialises from zeros, which constant folding turns into a constant the
-    step holds for as long as the model trains (16 MiB on a U-Net's plan). A
-    sum of two is left alone: here the terms are added from the left in the
+    step holds for as long as the model trains (16 MiB on a U-Net's plan); a
+    sum of two it leaves alone. The terms are added from the left in the
     order Grappler gives an `AddN`'s inputs (sorted by name), which is the
-    order the `AddN` adds them in (bit-identical, measured), each sum kept
-    from Grappler's arithmetic optimizer (which would merge them back into
-    one `AddN`). The `AddN`'s readers read the last sum; read by nothing, it
-    is pruned. Eager, or compiled by XLA (which ignores the mark and fuses
-    sums its own way), `grads` are returned as they are.
+    order the `AddN` adds them in (bit-identical, measured with three and
+    five terms), each sum kept from Grappler's arithmetic optimizer (which
+    would merge them back into one `AddN`). The `AddN`'s readers read the
+    last sum; read by nothing, it is pruned. Eager, or compiled by XLA (which
+    ignores the mark and fuses sums its own way), `grads` are returned as
+    they are.
     """
     if tf.executing_eagerly() or in_xla():
         return grads
