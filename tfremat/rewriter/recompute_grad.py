@@ -72,11 +72,10 @@ def recompute_grad(f: Callable[..., Any],
                 tape.watch(variables)
                 outputs = f(*_apart(recompute_args))
             pairs = _with_gradients(tf.nest.flatten(outputs), dresult)
-            made = operation_count()
-            grads = tape.gradient([y for y, _ in pairs], recompute_args + variables,
-                                  output_gradients=[dy for _, dy in pairs],
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            grads = summed_in_pairs(made, grads)
+            grads = summed_in_pairs(lambda: tape.gradient(
+                [y for y, _ in pairs], recompute_args + variables,
+                output_gradients=[dy for _, dy in pairs],
+                unconnected_gradients=tf.UnconnectedGradients.ZERO))
             input_grads, var_grads = grads[:len(args)], grads[len(args):]
             if after_grads is not None:
                 return after_grads(input_grads, variables, var_grads)
@@ -114,26 +113,19 @@ def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any],
     """
     floating = [k for k, x in enumerate(args) if x.dtype.is_floating]
     sources = [args[k] for k in floating] + variables
-    made = operation_count()
-    found = tf.gradients([y for y, _ in pairs], sources, grad_ys=[dy for _, dy in pairs],
-                         stop_gradients=list(args)) if pairs else [None] * len(sources)
-    found = summed_in_pairs(made, found)
+    found = summed_in_pairs(lambda: tf.gradients(
+        [y for y, _ in pairs], sources, grad_ys=[dy for _, dy in pairs],
+        stop_gradients=list(args))) if pairs else [None] * len(sources)
     input_grads: list[Any] = [None] * len(args)
     for k, g in zip(floating, found):
         input_grads[k] = g
     return input_grads, list(found[len(floating):])
 
 
-def operation_count() -> int:
-    """How many operations the graph being built has (0 when eager)."""
-    if tf.executing_eagerly():
-        return 0
-    return len(tf.compat.v1.get_default_graph().get_operations())
-
-
-def summed_in_pairs(made: int, grads: list[Any]) -> list[Any]:
-    """`grads`, with every sum of more than two float gradients that the graph
-    got since its operation `made` (an `AddN`) made two at a time instead.
+def summed_in_pairs(gradient: Callable[[], list[Any]]) -> list[Any]:
+    """What `gradient()` returns, with every sum of more than two float
+    gradients it made in the graph being built (an `AddN`) made two at a
+    time instead.
 
     A tape, or `tf.gradients`, sums the gradients of a tensor read by more
     than two ops (a batch normalization's input) in one `AddN`. Grappler's
@@ -146,13 +138,22 @@ def summed_in_pairs(made: int, grads: list[Any]) -> list[Any]:
     five terms), each sum kept from Grappler's arithmetic optimizer (which
     would merge them back into one `AddN`). The `AddN`'s readers read the
     last sum; read by nothing, it is pruned. Eager, or compiled by XLA (which
-    ignores the mark and fuses sums its own way), `grads` are returned as
-    they are.
+    ignores the mark and fuses sums its own way), the gradients are returned
+    as they are.
+
+    Args:
+        gradient: Makes the gradients (a tape's or `tf.gradients`).
+
+    Returns:
+        `gradient()`'s list, each summed gradient replaced by its last sum.
     """
     if tf.executing_eagerly() or in_xla():
-        return grads
+        return gradient()
+    graph = tf.compat.v1.get_default_graph()
+    made = len(graph.get_operations())
+    grads = gradient()
     replaced = {}
-    for op in tf.compat.v1.get_default_graph().get_operations()[made:]:
+    for op in graph.get_operations()[made:]:
         if op.type != "AddN" or len(op.inputs) <= 2 or not op.outputs[0].dtype.is_floating:
             continue
         terms = sorted(op.inputs, key=_input_name)
