@@ -568,13 +568,12 @@ def small_unet() -> keras.Model:
 
 
 # Batches where approx-dp's floor rises with the updates in the backward pass
-# (2026-12-05, the simulator holding what a weights' gradient kernel reads through
-# the next step on two inter-op threads: 4, 6 and 8 (by 256 bytes) of 2-6, 8, 10,
-# 12, 16, each extracted in a fresh process; at 6 not in a test worker that ran
-# other tests first, whose kernel scratch measured otherwise, so 4 only; it rose at 4
-# and 12 before that, at 4 and 8 before a recompute reran only what its backward
-# reads). The graph says so whatever this machine's thread count.
-@pytest.mark.parametrize("batch", [4])
+# (2026-12-06, the simulator holding what a weights' gradient kernel reads through
+# the next step on two inter-op threads): 4, 6 and 12 of 2-6, 8, 10, 12, 16. The
+# graph is extracted without measuring kernel scratch: measured, it moved with the
+# load of other test workers, and with it whether the floor rose (this test failed
+# so under `-n 2`). The graph says so whatever this machine's thread count.
+@pytest.mark.parametrize("batch", [4, 6, 12])
 def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_floor(batch):
     """At the lowest budget a planner reaches with updates after the backward
     pass, "auto" (which turns them on whenever the step does not fit) planned
@@ -588,7 +587,7 @@ def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_flo
     keras.utils.set_random_seed(0)
     model = small_unet()
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    graph = tfremat.extract(model, batch_size=batch)
+    graph = tfremat.extract(model, batch_size=batch, measure_kernels=False)
     graph = dataclasses.replace(graph, metadata={**graph.metadata, "concurrent_ops": True})
     after = min_feasible_budget(graph, planner, update_in_backward=False)
     within = min_feasible_budget(graph, planner, update_in_backward=True)
