@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tests.rewriter import rewrite_helpers as h
-from tfremat.core import Segment
+from tfremat.core import Offload, Segment
 from tfremat.graph import step_function
 from tfremat.rewriter import PlanInstallation, rewrite_model
 
@@ -84,13 +84,15 @@ def test_measuring_a_plan_whose_segment_begins_with_an_addition_leaves_no_memory
     assert in_use[3] - in_use[0] < 2 * weights, (in_use, weights)
 
 
-@pytest.mark.parametrize("segments", [[], [["output"]]], ids=["pinned", "recomputed"])
-def test_a_rewritten_step_holds_nothing_once_it_has_run(segments):
+@pytest.mark.parametrize("unit", ["pinned", "recomputed", "offloaded"])
+def test_a_rewritten_step_holds_nothing_once_it_has_run(unit):
     """The tape hands a unit's gradient function zeros for an output nothing
     differentiates (a softmax output: Keras's crossentropy reads its logits),
     and Grappler folded them into a constant the step held for good (5 MiB
     for a U-Net's per-pixel softmax). A pinned plan wraps every unit so; a
-    segment holding the output layer too."""
+    segment holding the output layer too; and so does the unit that reads an
+    offloaded tensor (the output layer, reading the ReLU's output from the
+    second logical CPU of `tests/conftest.py`)."""
     keras.utils.set_random_seed(17)
     inp = keras.Input((32, 32, 4))
     x = keras.layers.Conv2D(16, 3, padding="same")(inp)
@@ -98,8 +100,13 @@ def test_a_rewritten_step_holds_nothing_once_it_has_run(segments):
     out = keras.layers.Conv2D(10, 1, activation="softmax", name="output")(x)
     model = keras.Model(inp, out)
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
-    plan = dataclasses.replace(h.plan_for(model, segments), pin_order=not segments)
-    rewritten = rewrite_model(model, plan)
+    plan = dataclasses.replace(h.plan_for(model, [["output"]] if unit == "recomputed" else []),
+                               pin_order=unit == "pinned")
+    devices = {}
+    if unit == "offloaded":
+        plan.offloaded = [Offload("re_lu:0")]
+        devices = {"compute_device": "/CPU:0", "host_device": "/CPU:1"}
+    rewritten = rewrite_model(model, plan, **devices)
     rewritten.compile(optimizer=keras.optimizers.SGD(0.01), loss="categorical_crossentropy")
     step = tf.function(step_function(rewritten))
     x = tf.random.normal((16, 32, 32, 4))

@@ -71,7 +71,7 @@ def recompute_grad(f: Callable[..., Any],
                 tape.watch([x for x in recompute_args if x.dtype.is_floating])
                 tape.watch(variables)
                 outputs = f(*_apart(recompute_args))
-            pairs = _with_gradients(tf.nest.flatten(outputs), dresult)
+            pairs = with_gradients(tf.nest.flatten(outputs), dresult)
             grads = summed_in_pairs(lambda: tape.gradient(
                 [y for y, _ in pairs], recompute_args + variables,
                 output_gradients=[dy for _, dy in pairs],
@@ -86,7 +86,7 @@ def recompute_grad(f: Callable[..., Any],
     return inner
 
 
-def _with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[Any, Any]]:
+def with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[Any, Any]]:
     """The (output, gradient) pairs of a unit whose gradient is not known zero.
 
     A tape hands a custom gradient zeros for an output nothing differentiates
@@ -96,6 +96,15 @@ def _with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[An
     per-pixel softmax: 5 MiB); differentiated, they cost a backward pass
     through the output for nothing. Without them the step is as without the
     unit: nothing flows back from that output.
+
+    Args:
+        outputs: A unit's flat outputs (the tensors its gradient function
+            differentiates).
+        dresult: The gradient its gradient function was handed for each.
+
+    Returns:
+        `(output, gradient)` for each output whose gradient is neither None
+        nor zeros by construction, in order.
     """
     return [(y, dy) for y, dy in zip(outputs, dresult)
             if dy is not None and not _known_zeros(dy)]
@@ -249,7 +258,7 @@ def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., A
 
             def graph_grad(*dresult: Any, variables: Any = None) -> Any:
                 variables = list(variables or [])
-                pairs = _with_gradients(tf.nest.flatten(result), dresult)
+                pairs = with_gradients(tf.nest.flatten(result), dresult)
                 input_grads, var_grads = _graph_gradients(pairs, list(args), variables)
                 return after_grads(input_grads, variables, var_grads)
 
