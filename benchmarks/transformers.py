@@ -17,7 +17,7 @@ tfremat's `every-unit` plan. Peaks: the allocator's peak of one SGD step
 variant in a fresh process (as `planners.py`'s `fresh_peak_bytes`: a process
 that ran other variants first measures higher). Step times: every
 variant's step run alternately in one process, median of `--steps`, as a ratio
-to the plain step.
+to the plain step, in `ROUNDS` rounds (their median ratio and range).
 
 Usage:
     python benchmarks/transformers.py [--models GPT,ViT] [--repeats 10] [--steps 6]
@@ -39,6 +39,8 @@ from planners import (RESULTS, Runner, model_names, peak_in_fresh_process,  # no
                       plan_in_fresh_process, run_header, run_worker, step_seconds)
 
 MIB = 2**20
+#: Rounds of alternating timed steps: one round's ratio moved by 0.06 between runs.
+ROUNDS = 5
 
 #: name -> (tokens per example, batch size).
 MODELS = {"GPT": (256, 8), "ViT": (64, 32)}
@@ -213,12 +215,14 @@ def run_model(name: str, repeats: int, steps: int) -> dict[str, Any]:
     add("tfremat every-unit", tfremat.plan(model, 1e6, graph=graph, planner="every-unit"),
         {})
     data = sample(model, batch)
-    seconds = step_seconds({k: Runner(m, batch, data) for k, m in models.items()}, steps)
+    runners = {k: Runner(m, batch, data) for k, m in models.items()}
+    rounds = [step_seconds(runners, steps) for _ in range(ROUNDS)]
     for key, row in rows.items():
-        if key in seconds:
-            row["step_ratio"] = seconds[key] / seconds["plain"]
+        if key in runners:
+            row["step_ratios"] = [r[key] / r["plain"] for r in rounds]
+            row["step_ratio"] = statistics.median(row["step_ratios"])
     return {"model": name, "batch": batch, "tokens": MODELS[name][0], "nodes": len(graph),
-            "plain_step_s": seconds["plain"], "rows": rows}
+            "plain_step_s": statistics.median(r["plain"] for r in rounds), "rows": rows}
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -227,8 +231,10 @@ def markdown(data: dict[str, Any]) -> str:
              f"Machine: {data['machine']}. Peaks: allocator peak of one SGD step (weights "
              f"and batch included), median and largest of {data['repeats']} steps, each "
              f"variant in a fresh process; tfremat's budget at the hand version's peak is "
-             f"the hand version's largest. Step time: median of {data['steps']} steps run "
-             "alternately with every other variant in one process, as a ratio to plain. "
+             f"the hand version's largest. Step time: in each of {ROUNDS} rounds, the median of "
+             f"{data['steps']} steps run alternately with every other variant in one "
+             "process, as a ratio to plain; the median of the rounds' ratios, and their "
+             "range. "
              "tfremat's plans are chosen with `measure=True` (as the `Planner` does), each "
              "in a fresh process holding the model only, as a user's would.", ""]
     for rec in data["records"]:
@@ -242,7 +248,8 @@ def markdown(data: dict[str, Any]) -> str:
                 lines.append(f"| {key} | {row['error'][:160]} | | | |")
                 continue
             predicted = f"{row['predicted_mib']:.1f}" if "predicted_mib" in row else ""
-            ratio = f"{row['step_ratio']:.2f}x" if "step_ratio" in row else ""
+            ratio = (f"{row['step_ratio']:.2f}x ({min(row['step_ratios']):.2f}-"
+                     f"{max(row['step_ratios']):.2f})" if "step_ratios" in row else "")
             plan = (f"{row['planner']}, {row['segments']} segments"
                     if "planner" in row else "")
             if row.get("updates"):
