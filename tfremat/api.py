@@ -23,7 +23,7 @@ from tfremat.graph import extract
 from tfremat.memory import require_measurable_scope
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
-from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model
+from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model, unit_layers
 from tfremat.simulation import simulate
 
 logger = logging.getLogger("tfremat")
@@ -246,6 +246,14 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
                                             "seconds")
     if measure:
         require_measurable_scope("tfremat.plan(measure=True)")
+    units = unit_layers(model)
+    if units:
+        warn(f"tfremat: {model.name!r} was rewritten by tfremat (its layers "
+             f"{', '.join(map(repr, units[:3]))}{', ...' if len(units) > 3 else ''} "
+             "are recompute, update or offload units): each unit is planned as one "
+             "layer whose backward pass holds all it recomputes, so predicted peaks run "
+             "high. For a plan as good as the first, plan the model it was rewritten "
+             "from (they share their weights) and rewrite that.")
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     if planner in ("auto", "dqn"):

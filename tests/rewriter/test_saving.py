@@ -10,10 +10,12 @@ import keras
 import numpy as np
 import pytest
 
+import tfremat
 from tests.fresh import run_fresh
 from tests.rewriter import rewrite_helpers as h
-from tfremat.core import Segment
+from tfremat.core import BudgetError, Segment
 from tfremat.rewriter import rewrite_model
+from tfremat.simulation import simulate
 
 def _nested_plan(model: keras.Model):
     ids = h.body_ids(model)
@@ -138,3 +140,30 @@ def test_a_rewritten_model_that_trained_with_updates_in_backward_exports(tmp_pat
     served = tf.saved_model.load(str(tmp_path / "served"))
     np.testing.assert_allclose(served.serve(x).numpy(), model(x).numpy(), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_a_rewritten_model_saved_and_loaded_is_planned_again_with_a_warning(tmp_path):
+    """A unit's gradient sums are made after the ops that read them
+    (`summed_in_pairs`), so tracing a rewritten model with BatchNormalization
+    found an op reading a later one, and extraction failed on a KeyError."""
+    keras.utils.set_random_seed(9)
+    model = h.residual_cnn()
+    model.compile(optimizer="sgd", loss="mse")
+    rewritten = rewrite_model(model, _nested_plan(model))
+    rewritten.save(tmp_path / "rewritten.keras")
+    loaded = keras.models.load_model(tmp_path / "rewritten.keras")
+    loaded.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).random((64, 16, 16, 3), "float32")
+    y = np.zeros((64, 5), "float32")
+    graph = tfremat.extract(loaded, sample=(x, y))
+    assert {n.class_name for n in graph} >= {"RecomputeSegment", "BatchNormalization"}
+    warning = r"'residual_cnn\w*' was rewritten by tfremat .*plan the model it was rewritten"
+    with pytest.warns(UserWarning, match=warning), pytest.raises(BudgetError) as error:
+        tfremat.plan(loaded, 1e-3, sample=(x, y), graph=graph)
+    lowest = error.value.min_budget_mb
+    with pytest.warns(UserWarning, match=warning):
+        plan = tfremat.plan(loaded, lowest, sample=(x, y), graph=graph)
+    assert plan.segments and plan.peak_bytes <= lowest * 2**20 < simulate(graph).peak_bytes
+    history = loaded.fit(x, y, batch_size=64, epochs=1, verbose=0,
+                         callbacks=[tfremat.Planner(lowest * 2, verbose=0)])
+    assert np.isfinite(history.history["loss"][0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import heapq
 from typing import Any
 
 import keras
@@ -100,11 +101,13 @@ class _Dataflow:
         self.threads = threads
         self.concurrent = threads > 1
         self.index = {op.name: i for i, op in enumerate(ops)}
-        self.dead = _dead_ops(ops, self.index)
+        order = _inputs_first(ops, self.index)
+        self.dead = _dead_ops(ops, self.index, order)
         self.root: dict[_Root, _Root] = {}
         self.size: dict[_Root, int] = {}
         self.readers: dict[_Root, list[int]] = collections.defaultdict(list)
-        for i, op in enumerate(ops):
+        for i in order:
+            op = ops[i]
             for j in range(len(op.outputs)):
                 if self._is_view(op, j):
                     src = op.inputs[min(j, len(op.inputs) - 1)]
@@ -141,16 +144,51 @@ class _Dataflow:
         return self.root[(self.index[t.op.name], t.value_index)]
 
 
-def _dead_ops(ops: list[tf.Operation], index: dict[str, int]) -> set[int]:
+def _inputs_first(ops: list[tf.Operation], index: dict[str, int]) -> list[int]:
+    """The indices of `ops` (a graph's, in the order they were made) in an
+    order where every op comes after the ops whose outputs it reads or whose
+    control outputs it waits for, otherwise as made.
+
+    The order they were made is such an order, but for the readers of a
+    unit's gradient sum of a rewritten model: the sums two at a time
+    (`tfremat.rewriter.recompute_grad.summed_in_pairs`) are made after the
+    ops that read them (planning a rewritten model with BatchNormalization
+    failed on a KeyError).
+    """
+    waits_for = [sorted({index[t.op.name] for t in op.inputs if t.op.name in index}
+                        | {index[c.name] for c in op.control_inputs if c.name in index})
+                 for op in ops]
+    if all(j < i for i, before in enumerate(waits_for) for j in before):
+        return list(range(len(ops)))
+    pending = [len(before) for before in waits_for]
+    readers: list[list[int]] = [[] for _ in ops]
+    for i, before in enumerate(waits_for):
+        for j in before:
+            readers[j].append(i)
+    ready = [i for i, n in enumerate(pending) if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for r in readers[i]:
+            pending[r] -= 1
+            if pending[r] == 0:
+                heapq.heappush(ready, r)
+    placed = set(order)  # all, but in a cycle (none in a tf.function's graph)
+    return order + [i for i in range(len(ops)) if i not in placed]
+
+
+def _dead_ops(ops: list[tf.Operation], index: dict[str, int], order: list[int]) -> set[int]:
     """Indices of the ops Grappler prunes before the step runs: stateless ops
     whose results reach neither the function's outputs nor a stateful op (the
     gradient of a `SelectV2` with respect to its constant branch, which
     Keras's dropout makes: a tensor of the activation's size, never read;
-    the gradient of the model's input)."""
+    the gradient of the model's input). `order`: `_inputs_first`'s."""
     graph = ops[0].graph if ops else None
     fetched = {t.op.name for t in getattr(graph, "outputs", None) or []}
     live = [False] * len(ops)
-    for i in range(len(ops) - 1, -1, -1):
+    for i in reversed(order):
         op = ops[i]
         live[i] = (op.op_def.is_stateful or not op.outputs or op.name in fetched
                    or bool(op._control_outputs)  # an op waits for it

@@ -17,9 +17,9 @@ require_tensorflow()
 
 from tfremat.rewriter.backward_updates import choose_updates, fallback_reason  # noqa: E402
 from tfremat.rewriter.install import PlanInstallation  # noqa: E402
-from tfremat.rewriter.rewriting import rewrite_model  # noqa: E402
+from tfremat.rewriter.rewriting import rewrite_model, unit_layers  # noqa: E402
 from tfremat.rewriter.segment_layer import RecomputeSegment  # noqa: E402
 from tfremat.rewriter.update_layer import UpdateUnit  # noqa: E402
 
 __all__ = ["PlanInstallation", "RecomputeSegment", "UpdateUnit", "choose_updates",
-           "fallback_reason", "rewrite_model"]
+           "fallback_reason", "rewrite_model", "unit_layers"]

@@ -14,6 +14,8 @@ from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
 from tfremat.rewriter.backward_updates import (BackwardUpdates, for_plan,
                                                update_in_training_steps)
 from tfremat.rewriter.functional import OffloadSettings, rebuild
+from tfremat.rewriter.offload_layers import OffloadUnit
+from tfremat.rewriter.submodel_layer import SubmodelLayer
 
 
 def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None = None,
@@ -196,3 +198,20 @@ def _offload_devices(compute_device: str | None,
             f"Offload needs two devices; compute_device and host_device are both "
             f"{compute_device!r}.")
     return compute_device, host_device
+
+
+def unit_layers(model: keras.Model) -> list[str]:
+    """The names of the layers of `model` that a rewrite made: recompute
+    segments, update and offload units (a model `rewrite_model` returned, or
+    one loaded from its `.keras` file).
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        Their names, in `model`'s layer order; empty for a model tfremat did
+        not rewrite.
+    """
+    return [layer.name for layer in model._flatten_layers(include_self=False)
+            if isinstance(layer, (SubmodelLayer, OffloadUnit))]
+
