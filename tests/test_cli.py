@@ -147,3 +147,23 @@ def test_classes_must_be_a_positive_number(value, capsys):
 def test_the_order_flags_reach_the_plan(flags, pin_order):
     args = cli.build_parser().parse_args(["plan", "resnet50", "--budget-mb", "100", *flags])
     assert args.pin_order == pin_order
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--steps", "0"), ("--epochs", "0"), ("--batch-size", "x"), ("--steps", "-1"),
+    ("--budget-fraction", "-1"), ("--budget-fraction", "nan")])
+def test_demo_refuses_a_bad_number_naming_its_flag_before_any_work(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: wants a positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("steps", 0, ValueError), ("epochs", 1.5, TypeError), ("batch_size", -2, ValueError),
+    ("budget_fraction", 0.0, ValueError), ("budget_fraction", "0.5", ValueError)])
+def test_run_demo_refuses_a_bad_number_naming_its_argument(name, value, error):
+    from tfremat.demo import run_demo
+
+    with pytest.raises(error, match=f"{name} must be"):
+        run_demo(**{name: value}, export=None, plot=None, verbose=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import warnings
@@ -48,6 +49,16 @@ def _parse_shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"--input-shape wants three numbers like 96,96,3, got {text!r}")
     return shape
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"wants a positive number, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -228,10 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="train a ResNet-style model under a budget")
-    demo.add_argument("--batch-size", type=int, default=32, help="(default: 32)")
-    demo.add_argument("--steps", type=int, default=8, help="steps per epoch (default: 8)")
-    demo.add_argument("--epochs", type=int, default=2, help="(default: 2)")
-    demo.add_argument("--budget-fraction", type=float, default=0.75,
+    demo.add_argument("--batch-size", type=_positive_int, default=32, help="(default: 32)")
+    demo.add_argument("--steps", type=_positive_int, default=8,
+                      help="steps per epoch (default: 8)")
+    demo.add_argument("--epochs", type=_positive_int, default=2, help="(default: 2)")
+    demo.add_argument("--budget-fraction", type=_positive_float, default=0.75,
                       help="budget as a fraction of the measured plain peak (default: 0.75)")
     demo.add_argument("--export", default="tfremat_plan.png",
                       help="plan picture (default: tfremat_plan.png; .dot without "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from typing import Any
 
@@ -11,6 +13,7 @@ import tensorflow as tf
 
 from tfremat.callbacks import Planner
 from tfremat.backend import device_name
+from tfremat.core import check_count
 
 
 def resnet_style(image_size: int = 64, width: int = 32, blocks: tuple[int, ...] = (2, 2, 2),
@@ -90,7 +93,17 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
 
     Returns:
         A dict of the measured figures.
+
+    Raises:
+        TypeError, ValueError: a count that is not a positive integer, or a
+            budget fraction that is not a positive number.
     """
+    batch_size = check_count(batch_size, "batch_size")
+    steps = check_count(steps, "steps")
+    epochs = check_count(epochs, "epochs")
+    if (isinstance(budget_fraction, bool) or not isinstance(budget_fraction, numbers.Real)
+            or not 0 < budget_fraction < math.inf):
+        raise ValueError(f"budget_fraction must be a positive number, got {budget_fraction!r}.")
     data = _data(batch_size, steps)
     # The plain step, measured inside fit as the budgeted run will be (on CPU the
     # allocator also holds the input pipeline's batches).
