@@ -1010,3 +1010,27 @@ def test_on_cpu_a_warning_names_what_the_input_pipeline_holds(given):
             assert held >= 20.0, text  # the arrays, at least
     else:
         assert not before and not any("input pipeline" in m for m in over), said
+
+
+def test_a_model_without_trainable_weights_trains_as_keras_trains_it():
+    """Keras trains such a model without a backward pass (and warns); the
+    Planner says it has nothing to plan and leaves the step alone, where
+    planning failed the fit on "computes no gradients"."""
+    def frozen() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((8,))
+        model = keras.Model(inp, keras.layers.Dense(3, trainable=False)(inp))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        return model
+
+    x, y = np.ones((32, 8), "float32"), np.zeros((32, 3), "float32")
+    plain = frozen().fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    planner = tfremat.Planner(budget_mb=1)
+    with pytest.warns(RuntimeWarning, match="has no trainable weights.*trains without a plan"):
+        planned = frozen().fit(x, y, batch_size=8, epochs=2, verbose=0,
+                               callbacks=[planner]).history
+    assert planned == plain
+    assert planner.plan is None
+    with pytest.raises(tfremat.UnsupportedModelError,
+                       match="computes no gradients.*no trainable weights"):
+        tfremat.plan(frozen(), 1, batch_size=8)

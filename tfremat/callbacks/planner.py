@@ -377,6 +377,10 @@ class Planner(keras.callbacks.Callback):
             if self._installation is None:
                 started = time.perf_counter()
                 iterator = self._plan_first_batch(iterator)
+                if self._installation is None:  # nothing to plan: Keras's own step
+                    own = self._own_train_function
+                    self._restore()
+                    return own(iterator)
             stepping = True
             if not self._stats:
                 logs = self._installation.run(iterator)
@@ -405,7 +409,8 @@ class Planner(keras.callbacks.Callback):
     # -- planning ----------------------------------------------------------------
 
     def _plan_first_batch(self, iterator: Any) -> Any:
-        """Plans on the shapes of the first batches and installs the plan.
+        """Plans on the shapes of the first batches and installs the plan (none
+        for a model without trainable weights).
 
         Returns:
             An iterator giving the batches taken from `iterator` again.
@@ -428,6 +433,11 @@ class Planner(keras.callbacks.Callback):
             # model marked built whose layers are not: `model.build(shape)` on a
             # subclassed model without its own `build()`.)
             model._symbolic_build(data_batch=sample)
+        if not model.trainable_weights:
+            warn(f"tfremat: {model.name!r} has no trainable weights, so its training step "
+                 "has no backward pass and nothing to recompute: this fit trains without "
+                 "a plan.", RuntimeWarning)
+            return self._iterator_of(batches, static)
         with progress(self.verbose) as track:
             traced = track(f"tfremat: tracing a training step of {model.name}", 1) \
                 if track else None

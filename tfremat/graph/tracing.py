@@ -510,7 +510,9 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     if not recorder.grad_marks:
         raise UnsupportedModelError(
             f"The training step of {model.name!r} computes no gradients "
-            "(tf.GradientTape.gradient was never called).")
+            "(tf.GradientTape.gradient was never called)"
+            + (": the model has no trainable weights, so there is nothing to plan."
+               if not model.trainable_weights else "."))
     log = recorder.log
     ops = concrete.graph.get_operations()
     if subclassed:
