@@ -177,6 +177,14 @@ def test_budget_error_carries_exact_bytes_and_pickles():
                                                                   measured=True))
 
 
+@pytest.mark.parametrize("budget_bytes, text", [
+    (1048, "A budget of 1048 bytes (0.001 MiB) cannot"), (0, "A budget of 0 bytes (0 MiB)"),
+    (52_429, "A budget of 0.1 MiB cannot"), (10 * 2**20, "A budget of 10.0 MiB cannot")])
+def test_a_budget_error_does_not_round_a_tiny_budget_to_zero(budget_bytes, text):
+    """`Planner(budget_mb=0.001)` was told "A budget of 0.0 MiB cannot be met"."""
+    assert str(BudgetError(budget_bytes, 2**21, "auto")).startswith(text)
+
+
 def test_a_budget_error_says_whether_its_minimum_was_predicted_or_measured():
     """A user recovering from a BudgetError must know whether its minimum is a
     prediction (which the device may not meet) or a measurement."""

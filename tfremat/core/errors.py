@@ -155,7 +155,8 @@ class BudgetError(TfrematError, ValueError):
         how = ("measured on the device" if measured else
                f"as the simulator predicts it, not measured: {self.MEASURE_HINT}")
         message = (
-            f"A budget of {self.budget_mb:.1f} MiB cannot be met by planner {planner!r}: "
+            f"A budget of {_mib_text(self.budget_bytes or 0)} cannot be met by planner "
+            f"{planner!r}: "
             f"the smallest feasible budget is {self.feasible_mb:.1f} "
             f"MiB ({self.min_budget_bytes} bytes), {how}."
         )
@@ -179,3 +180,12 @@ class BudgetError(TfrematError, ValueError):
     def __reduce__(self) -> tuple:  # picklable with its arguments (subprocesses)
         return (type(self), (self.budget_bytes, self.min_budget_bytes, self.planner,
                              self.detail, self.measured))
+
+
+def _mib_text(nbytes: int) -> str:
+    """`nbytes` in MiB to 0.1 MiB, or in bytes below 0.05 MiB (which would
+    read as 0.0 MiB)."""
+    if nbytes < 0.05 * MIB:
+        return f"{nbytes} bytes ({nbytes / MIB:.2g} MiB)"
+    return f"{nbytes / MIB:.1f} MiB"
+
