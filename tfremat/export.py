@@ -30,20 +30,6 @@ _NO_GRAPHVIZ = (
 )
 
 
-def _dropped_bytes(graph: PlanGraph, seg: Segment) -> int:
-    """Bytes a segment does not keep for the backward pass: its calls' outputs
-    that nothing outside it reads, and the tensors its calls would keep inside
-    (`Node.internal_saved_bytes`, e.g. a subclassed block's intermediates)."""
-    inside = set(seg.nodes)
-    consumers = graph.consumers()
-    return sum(
-        graph.node(n).outputs[i].bytes
-        for n in seg.nodes for i in range(len(graph.node(n).outputs))
-        if f"{n}:{i}" not in graph.outputs
-        and all(c in inside for c in consumers[f"{n}:{i}"])) + sum(
-        graph.node(n).internal_saved_bytes for n in seg.nodes)
-
-
 def _mib(nbytes: float) -> str:
     return f"{nbytes / MIB:.1f} MiB" if nbytes >= MIB / 10 else f"{nbytes / 1024:.0f} KiB"
 
@@ -87,7 +73,7 @@ def to_pydot(graph: PlanGraph, plan: Plan | None = None, *,
 
     def add_segment(container: pydot.Dot | pydot.Cluster, seg: Segment, path: str,
                     colour: str) -> None:
-        dropped = _dropped_bytes(graph, seg)
+        dropped = graph.dropped_bytes(seg.nodes)
         cluster = pydot.Cluster(
             f"segment_{path}", label=f"recompute segment {path}: {len(seg.nodes)} layers, "
             f"{_mib(dropped)} not kept", style="filled,dashed", fillcolor=colour,
@@ -278,7 +264,7 @@ def _segment_rows(graph: PlanGraph, seg: Segment, label: str,
                   depth: int = 0) -> list[tuple[str, str]]:
     """The summary's rows (label, the rest) of a segment, then of the segments
     nested in it (recomputed again while it is), indented."""
-    dropped = _dropped_bytes(graph, seg)
+    dropped = graph.dropped_bytes(seg.nodes)
     nested = f", {len(seg.children)} nested" if seg.children else ""
     rows = [(label, f"{len(seg.nodes):>6}  {_mib(dropped):>11}"
                     f"  {seg.nodes[0]} .. {seg.nodes[-1]}{nested}")]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfremat.core import BudgetError, is_convex
+from tfremat.core import BudgetError, Plan, Segment, is_convex
 from tfremat.planners import make_plan
 from tfremat.planners import toolkit as seg
 from tfremat.simulation import requires_grad, simulate
@@ -100,3 +100,25 @@ def test_no_segment_recomputes_calls_no_gradient_reaches(planner):
     assert all(any(reached[n] for n in s.nodes) for s in segments(plan.segments))
     if planner == "chen-sqrt":  # the plan that was predicted above the plain step
         assert plan.peak_bytes < plain
+
+
+def test_a_segment_that_keeps_nothing_out_of_memory_is_left_out():
+    """A segment whose every output is read outside it (one convolution
+    between two kept tensors) recomputes for no byte: chen-greedy made one of
+    a new user's stem, at +25% predicted compute overall. `finish_plan`
+    leaves it out (a nested one too) when the peak is no higher."""
+    graph = G.resnet_like(blocks=2)
+    ids = [n.id for n in graph if n.class_name != "InputLayer"]
+    # The first block; its first convolution; a ReLU of the second block,
+    # whose backward reads its output (a convolution with its activation).
+    block, conv, idle = ids[:10], ids[:1], ids[12:13]
+    assert graph.node(idle[0]).class_name == "ReLU"
+    assert graph.dropped_bytes(conv) == graph.dropped_bytes(idle) == 0
+    assert graph.dropped_bytes(block) > 0
+    plan = seg.finish_plan(graph, [Segment(block, [Segment(conv)]), Segment(idle)],
+                           planner="test", budget_bytes=None, settings={})
+    assert [(s.nodes, s.children) for s in plan.segments] == [(block, [])]
+    with_idle = simulate(graph, Plan.from_segments(
+        graph, [Segment(block, [Segment(conv)]), Segment(idle)]))
+    assert plan.peak_bytes <= with_idle.peak_bytes
+    assert plan.estimates.overhead < with_idle.plan_estimate().overhead

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from tfremat.core import jsonio
 
@@ -326,6 +326,28 @@ class PlanGraph:
             for ref in dict.fromkeys(n.inputs):
                 cons[ref].append(n.id)
         return cons
+
+    def dropped_bytes(self, node_ids: Sequence[str]) -> int:
+        """Bytes a recompute segment of `node_ids` does not keep for the
+        backward pass: its calls' outputs that nothing outside it reads (nor
+        the model's outputs), and the tensors its calls would keep inside
+        (`Node.internal_saved_bytes`, e.g. a subclassed block's intermediates).
+
+        Args:
+            node_ids: The ids of the segment's nodes.
+
+        Returns:
+            The bytes; 0 for a segment whose every output is read outside it
+            (one convolution between two kept tensors), which saves nothing.
+        """
+        inside = set(node_ids)
+        consumers = self.consumers()
+        return sum(
+            self.node(n).outputs[i].bytes
+            for n in node_ids for i in range(len(self.node(n).outputs))
+            if f"{n}:{i}" not in self.outputs
+            and all(c in inside for c in consumers[f"{n}:{i}"])) + sum(
+            self.node(n).internal_saved_bytes for n in node_ids)
 
     # -- summaries ---------------------------------------------------------
 

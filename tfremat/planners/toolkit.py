@@ -204,7 +204,9 @@ def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
                 details: dict[str, Any] | None = None) -> Plan:
     """Wraps segments in a validated Plan whose estimates come from `simulate`.
 
-    Segments the backward pass does not reach are dropped (`reached_only`).
+    Segments the backward pass does not reach are dropped (`reached_only`),
+    and so are those that keep nothing out of memory (`busy_only`) when the
+    simulator predicts no higher peak without them.
 
     Args:
         graph: The PlanGraph.
@@ -221,11 +223,41 @@ def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
         # One unit per call there (`recompute_units`): the plan says what runs.
         segments = valid_segments(graph, [getattr(s, "nodes", s) for s in segments])
     segments = reached_only(segments, requires_grad(graph))
-    plan = Plan.from_segments(graph, list(segments), planner=planner,
-                              budget_bytes=budget_bytes, settings=dict(settings))
-    plan.validate(graph)
-    plan.estimates = simulate(graph, plan, validate=False).plan_estimate(details=details)
-    return plan
+    plans = []
+    for kept in (busy_only(graph, segments), segments):
+        plan = Plan.from_segments(graph, list(kept), planner=planner,
+                                  budget_bytes=budget_bytes, settings=dict(settings))
+        plan.validate(graph)
+        plan.estimates = simulate(graph, plan, validate=False).plan_estimate(details=details)
+        plans.append(plan)
+        if kept == list(segments):
+            break  # nothing idle: one plan
+    return plans[0] if plans[0].peak_bytes <= plans[-1].peak_bytes else plans[-1]
+
+
+def busy_only(graph: PlanGraph, segments: Sequence[Segment | list[str]]
+              ) -> list[Segment | list[str]]:
+    """`segments` (and their children) without those that keep nothing out of
+    memory (`PlanGraph.dropped_bytes` is 0) and have no children: every
+    output of such a segment is read outside it, so its recompute costs time
+    and frees nothing (chen-greedy made a one-convolution segment of a new
+    user's stem so).
+
+    Args:
+        graph: The PlanGraph.
+        segments: Segments, as Segments or lists of node ids.
+
+    Returns:
+        The segments that keep something out of memory, in order.
+    """
+    out: list[Segment | list[str]] = []
+    for s in segments:
+        nodes = getattr(s, "nodes", s)
+        children = busy_only(graph, s.children) if isinstance(s, Segment) else []
+        if not children and graph.dropped_bytes(nodes) == 0:
+            continue
+        out.append(Segment(list(nodes), children) if isinstance(s, Segment) else s)
+    return out
 
 
 def reached_only(segments: Sequence[Segment | list[str]], reached: dict[str, bool]
