@@ -188,4 +188,3 @@ def _mib_text(nbytes: int) -> str:
     if nbytes < 0.05 * MIB:
         return f"{nbytes} bytes ({nbytes / MIB:.2g} MiB)"
     return f"{nbytes / MIB:.1f} MiB"
-

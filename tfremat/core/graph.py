@@ -327,7 +327,8 @@ class PlanGraph:
                 cons[ref].append(n.id)
         return cons
 
-    def dropped_bytes(self, node_ids: Sequence[str]) -> int:
+    def dropped_bytes(self, node_ids: Sequence[str],
+                      consumers: dict[str, list[str]] | None = None) -> int:
         """Bytes a recompute segment of `node_ids` does not keep for the
         backward pass: its calls' outputs that nothing outside it reads (nor
         the model's outputs), and the tensors its calls would keep inside
@@ -335,13 +336,15 @@ class PlanGraph:
 
         Args:
             node_ids: The ids of the segment's nodes.
+            consumers: `self.consumers()`, when the caller has it (it walks
+                the whole graph).
 
         Returns:
             The bytes; 0 for a segment whose every output is read outside it
             (one convolution between two kept tensors), which saves nothing.
         """
         inside = set(node_ids)
-        consumers = self.consumers()
+        consumers = self.consumers() if consumers is None else consumers
         return sum(
             self.node(n).outputs[i].bytes
             for n in node_ids for i in range(len(self.node(n).outputs))

@@ -235,8 +235,8 @@ def finish_plan(graph: PlanGraph, segments: Sequence[Segment | list[str]], *,
     return plans[0] if plans[0].peak_bytes <= plans[-1].peak_bytes else plans[-1]
 
 
-def busy_only(graph: PlanGraph, segments: Sequence[Segment | list[str]]
-              ) -> list[Segment | list[str]]:
+def busy_only(graph: PlanGraph, segments: Sequence[Segment | list[str]],
+              consumers: dict[str, list[str]] | None = None) -> list[Segment | list[str]]:
     """`segments` (and their children) without those that keep nothing out of
     memory (`PlanGraph.dropped_bytes` is 0) and have no children: every
     output of such a segment is read outside it, so its recompute costs time
@@ -246,15 +246,18 @@ def busy_only(graph: PlanGraph, segments: Sequence[Segment | list[str]]
     Args:
         graph: The PlanGraph.
         segments: Segments, as Segments or lists of node ids.
+        consumers: `graph.consumers()`, when the caller has it.
 
     Returns:
         The segments that keep something out of memory, in order.
     """
+    if segments and consumers is None:
+        consumers = graph.consumers()
     out: list[Segment | list[str]] = []
     for s in segments:
         nodes = getattr(s, "nodes", s)
-        children = busy_only(graph, s.children) if isinstance(s, Segment) else []
-        if not children and graph.dropped_bytes(nodes) == 0:
+        children = busy_only(graph, s.children, consumers) if isinstance(s, Segment) else []
+        if not children and graph.dropped_bytes(nodes, consumers) == 0:
             continue
         out.append(Segment(list(nodes), children) if isinstance(s, Segment) else s)
     return out

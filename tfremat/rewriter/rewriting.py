@@ -214,4 +214,3 @@ def unit_layers(model: keras.Model) -> list[str]:
     """
     return [layer.name for layer in model._flatten_layers(include_self=False)
             if isinstance(layer, (SubmodelLayer, OffloadUnit))]
-
