@@ -37,7 +37,7 @@ from tfremat.rewriter.exact_recompute import (AddedLosses, carry_logits, check_s
                                               collects_losses, inner_call_context,
                                               logits_at, logits_positions, replace_loss,
                                               state_variables, with_masks)
-from tfremat.rewriter.recompute_grad import summed_in_pairs, with_gradients
+from tfremat.rewriter.recompute_grad import tape_gradients
 
 
 def to_host(tensor: Any, host_device: str) -> tf.Tensor:
@@ -253,11 +253,7 @@ def offload_call(fn: Callable[..., Any], inputs: Sequence[Any],
                         again = run(replay)
                 check_same_losses(losses, added_again.losses)
                 again += [loss for _, loss in added_again.losses] + logits_at(again, logits)
-                pairs = with_gradients(again, dys)
-                grads = summed_in_pairs(lambda: tape.gradient(
-                    [y for y, _ in pairs], watched + list(variables),
-                    output_gradients=[dy for _, dy in pairs],
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO))
+                grads = tape_gradients(tape, again, dys, watched + list(variables))
             keep_if_read([replay[i] for i in host_copies], grads)
             input_grads = grads[:len(watched)] or [tf.zeros(())]
             return input_grads, grads[len(watched):]

@@ -71,11 +71,8 @@ def recompute_grad(f: Callable[..., Any],
                 tape.watch([x for x in recompute_args if x.dtype.is_floating])
                 tape.watch(variables)
                 outputs = f(*_apart(recompute_args))
-            pairs = with_gradients(tf.nest.flatten(outputs), dresult)
-            grads = summed_in_pairs(lambda: tape.gradient(
-                [y for y, _ in pairs], recompute_args + variables,
-                output_gradients=[dy for _, dy in pairs],
-                unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            grads = tape_gradients(tape, tf.nest.flatten(outputs), dresult,
+                                   recompute_args + variables)
             input_grads, var_grads = grads[:len(args)], grads[len(args):]
             if after_grads is not None:
                 return after_grads(input_grads, variables, var_grads)
@@ -86,7 +83,7 @@ def recompute_grad(f: Callable[..., Any],
     return inner
 
 
-def with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[Any, Any]]:
+def _with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[Any, Any]]:
     """The (output, gradient) pairs of a unit whose gradient is not known zero.
 
     A tape hands a custom gradient zeros for an output nothing differentiates
@@ -108,6 +105,28 @@ def with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[Any
     """
     return [(y, dy) for y, dy in zip(outputs, dresult)
             if dy is not None and not _known_zeros(dy)]
+
+
+def tape_gradients(tape: tf.GradientTape, outputs: list[Any], dresult: Sequence[Any],
+                   sources: list[Any]) -> list[Any]:
+    """A unit's gradients from `tape`: of its flat `outputs`, each with its
+    incoming gradient in `dresult` (those known zero left out:
+    `_with_gradients`), with respect to `sources`, zeros where unconnected,
+    sums of more than two terms made two at a time (`summed_in_pairs`).
+
+    Args:
+        tape: The tape that recorded the unit's forward pass.
+        outputs: The unit's flat outputs.
+        dresult: The gradient its gradient function was handed for each.
+        sources: The tensors and variables to differentiate with respect to.
+
+    Returns:
+        One gradient per source.
+    """
+    pairs = _with_gradients(outputs, dresult)
+    return summed_in_pairs(lambda: tape.gradient(
+        [y for y, _ in pairs], sources, output_gradients=[dy for _, dy in pairs],
+        unconnected_gradients=tf.UnconnectedGradients.ZERO))
 
 
 def _graph_gradients(pairs: list[tuple[Any, Any]], args: list[Any],
@@ -258,7 +277,7 @@ def keep_grad(f: Callable[..., Any], after_grads: AfterGrads) -> Callable[..., A
 
             def graph_grad(*dresult: Any, variables: Any = None) -> Any:
                 variables = list(variables or [])
-                pairs = with_gradients(tf.nest.flatten(result), dresult)
+                pairs = _with_gradients(tf.nest.flatten(result), dresult)
                 input_grads, var_grads = _graph_gradients(pairs, list(args), variables)
                 return after_grads(input_grads, variables, var_grads)
 
