@@ -155,7 +155,9 @@ def test_a_rewritten_model_saved_and_loaded_is_planned_again_with_a_warning(tmp_
     loaded.compile(optimizer="sgd", loss="mse")
     x = np.random.default_rng(0).random((64, 16, 16, 3), "float32")
     y = np.zeros((64, 5), "float32")
-    graph = tfremat.extract(loaded, sample=(x, y))
+    # Without kernel scratch measured: with it, the plan's floor came within 16
+    # KiB of the plain step (6.78 against 6.79 MB) and moved with the machine's load.
+    graph = tfremat.extract(loaded, sample=(x, y), measure_kernels=False)
     assert {n.class_name for n in graph} >= {"RecomputeSegment", "BatchNormalization"}
     warning = r"'residual_cnn\w*' was rewritten by tfremat .*plan the model it was rewritten"
     with pytest.warns(UserWarning, match=warning), pytest.raises(BudgetError) as error:
