@@ -161,7 +161,7 @@ def test_demo_refuses_a_bad_number_naming_its_flag_before_any_work(flag, value, 
 
 @pytest.mark.parametrize("name, value, error", [
     ("steps", 0, ValueError), ("epochs", 1.5, TypeError), ("batch_size", -2, ValueError),
-    ("budget_fraction", 0.0, ValueError), ("budget_fraction", "0.5", ValueError)])
+    ("budget_fraction", 0.0, ValueError), ("budget_fraction", "0.5", TypeError)])
 def test_run_demo_refuses_a_bad_number_naming_its_argument(name, value, error):
     from tfremat.demo import run_demo
 

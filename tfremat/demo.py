@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from typing import Any
 
@@ -11,6 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfremat.api import check_positive
 from tfremat.callbacks import Planner
 from tfremat.backend import device_name
 from tfremat.core import check_count
@@ -95,15 +94,15 @@ def run_demo(*, batch_size: int = 32, steps: int = 8, epochs: int = 2,
         A dict of the measured figures.
 
     Raises:
-        TypeError, ValueError: a count that is not a positive integer, or a
-            budget fraction that is not a positive number.
+        TypeError: a count that is not an integer, a budget fraction that is
+            not a number.
+        ValueError: a count below 1, a budget fraction not positive or not
+            finite.
     """
     batch_size = check_count(batch_size, "batch_size")
     steps = check_count(steps, "steps")
     epochs = check_count(epochs, "epochs")
-    if (isinstance(budget_fraction, bool) or not isinstance(budget_fraction, numbers.Real)
-            or not 0 < budget_fraction < math.inf):
-        raise ValueError(f"budget_fraction must be a positive number, got {budget_fraction!r}.")
+    budget_fraction = check_positive(budget_fraction, "budget_fraction", "times the plain peak")
     data = _data(batch_size, steps)
     # The plain step, measured inside fit as the budgeted run will be (on CPU the
     # allocator also holds the input pipeline's batches).
