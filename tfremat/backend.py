@@ -77,10 +77,14 @@ def device_allocator(device: str) -> str | None:
     (`tfremat.simulation.ALLOCATORS`).
 
     `"bfc"`: TensorFlow's BFC allocator, whose chunks may hold up to twice the
-    request: a GPU's default, and a CPU's once `TF_CPU_ALLOCATOR_USE_BFC=1`
-    (importing tfremat sets it; a CPU keeping statistics without it, through
-    oneDNN's allocator, is taken to count alike, not measured). None: the
-    request itself, as a GPU under `TF_GPU_ALLOCATOR=cuda_malloc_async` counts
+    request, taking regions from the system as it grows, each twice the last:
+    a CPU's once `TF_CPU_ALLOCATOR_USE_BFC=1` (importing tfremat sets it; a CPU
+    keeping statistics without it, through oneDNN's allocator, is taken to
+    count alike, not measured), and a GPU's with memory growth on
+    (`gpu_memory_grows`). `"bfc-one-region"`: the same allocator on a GPU
+    without memory growth, TensorFlow's default, which takes one region of all
+    the memory it may use at its first allocation. None: the request itself,
+    as a GPU under `TF_GPU_ALLOCATOR=cuda_malloc_async` counts
     (`GpuCudaMallocAsyncAllocator` adds the bytes asked for), or a CPU keeping
     no statistics (`memory_stats_available`), where nothing is measured.
 
@@ -90,8 +94,28 @@ def device_allocator(device: str) -> str | None:
     'bfc'
     """
     if device.startswith("GPU"):
-        return None if os.environ.get("TF_GPU_ALLOCATOR") == "cuda_malloc_async" else "bfc"
+        if os.environ.get("TF_GPU_ALLOCATOR") == "cuda_malloc_async":
+            return None
+        return "bfc" if gpu_memory_grows() else "bfc-one-region"
     return "bfc" if memory_stats_available(device) else None
+
+
+def gpu_memory_grows() -> bool:
+    """Whether TensorFlow's GPU allocator takes memory as it needs it.
+
+    `TF_FORCE_GPU_ALLOW_GROWTH` decides when it is `"true"` or `"false"` (as
+    TensorFlow reads it); otherwise `tf.config.experimental.set_memory_growth`
+    does (TensorFlow requires the same setting on every GPU). Off by default:
+    the allocator then takes all the memory it may use at once.
+    """
+    forced = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH")
+    if forced in ("true", "false"):
+        return forced == "true"
+    require_tensorflow()
+    import tensorflow as tf
+
+    return any(tf.config.experimental.get_memory_growth(gpu)
+               for gpu in tf.config.list_physical_devices("GPU"))
 
 
 def xla_compiled(model: object) -> bool:

@@ -141,10 +141,37 @@ def test_the_graph_says_how_its_devices_allocator_counts_bytes(monkeypatch):
     # (importing tfremat sets TF_CPU_ALLOCATOR_USE_BFC=1).
     assert tfremat.extract(residual_cnn(), batch_size=4).metadata["allocator"] == "bfc"
     from tfremat.backend import device_allocator
+    # A GPU's allocator takes all its memory in one region unless it grows.
+    monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    assert device_allocator("GPU:0") == "bfc-one-region"
+    monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     assert device_allocator("GPU:0") == "bfc"
     # CUDA's asynchronous allocator counts the bytes asked for, not chunks.
     monkeypatch.setenv("TF_GPU_ALLOCATOR", "cuda_malloc_async")
     assert device_allocator("GPU:0") is None
+
+
+def test_a_gpus_memory_growth_is_read_from_tensorflow_unless_forced(monkeypatch):
+    import tensorflow as tf
+
+    from tfremat.backend import gpu_memory_grows
+    gpus = ["GPU0", "GPU1"]
+    growth = {"GPU0": True, "GPU1": True}
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: gpus if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config.experimental, "get_memory_growth", growth.__getitem__)
+    monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    assert gpu_memory_grows()
+    growth.update(GPU0=False, GPU1=False)
+    assert not gpu_memory_grows()
+    # TensorFlow reads "true" and "false" only; anything else leaves the setting.
+    monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+    assert gpu_memory_grows()
+    monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "yes")
+    assert not gpu_memory_grows()
+    growth.update(GPU0=True, GPU1=True)
+    monkeypatch.setenv("TF_FORCE_GPU_ALLOW_GROWTH", "false")
+    assert not gpu_memory_grows()
 
 
 def test_flops_of_a_convolution():

@@ -1,6 +1,7 @@
 """The BFC allocator replay against its rules, worked by hand."""
 
-from tfremat.simulation.allocator import FIRST_REGION_BYTES, BFCAllocator, rounded_bytes
+from tfremat.simulation.allocator import (FIRST_REGION_BYTES, WHOLE_DEVICE_BYTES, BFCAllocator,
+                                         rounded_bytes)
 
 MB = 2**20
 
@@ -57,3 +58,25 @@ def test_chunks_of_different_regions_do_not_merge():
     bfc.free(b)
     bfc.allocate(5 * MB)  # no free chunk of 5 MiB: 2 + 4 are not adjacent
     assert bfc.region_bytes == (2 + 4 + 8) * MB
+
+
+def test_one_region_of_the_whole_device_splits_every_request_from_it():
+    """A GPU's allocator without memory growth takes all its memory at once:
+    the 9 MiB a growing allocator hands a 16 MiB region for are split from it."""
+    bfc = BFCAllocator(region_bytes=WHOLE_DEVICE_BYTES)
+    a = bfc.allocate(9 * MB)
+    assert (bfc.region_bytes, bfc.in_use_bytes) == (WHOLE_DEVICE_BYTES, 9 * MB)
+    b = bfc.allocate(2 * MB)
+    bfc.free(a)
+    bfc.free(b)
+    bfc.allocate(11 * MB)  # a and b merged back into the region: still one
+    assert (bfc.region_bytes, bfc.in_use_bytes) == (WHOLE_DEVICE_BYTES, 11 * MB)
+
+
+def test_in_one_region_a_hole_under_twice_the_request_is_still_handed_out_whole():
+    bfc = BFCAllocator(region_bytes=WHOLE_DEVICE_BYTES)
+    hole = bfc.allocate(12 * MB)
+    bfc.allocate(1 * MB)  # keeps the hole apart from the rest of the region
+    bfc.free(hole)
+    bfc.allocate(8 * MB)  # the 12 MiB hole fits best, and 12 < 2 x 8
+    assert bfc.in_use_bytes == 13 * MB

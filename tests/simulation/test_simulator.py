@@ -91,6 +91,19 @@ def test_buffers_are_counted_in_the_allocators_chunks():
     assert simulate(asked_for(g)).peak_bytes == int(3.5 * MB)
 
 
+
+def test_a_gpu_without_memory_growth_carves_every_chunk_from_one_region():
+    # Its allocator took all its memory at once (`"bfc-one-region"`): a's
+    # 3 MiB are split from that region, not handed a 4 MiB region whole; once
+    # a is dead, c's 2.5 MiB take a's 3 MiB hole whole (the best fit, under
+    # twice the request), beside b's 0.5.
+    g = outputs_chain(a=3, b=0.5, c=2.5)
+    gpu = dataclasses.replace(g, metadata={**g.metadata, "allocator": "bfc-one-region"})
+    est = simulate(gpu)
+    assert est.allocator == "bfc-one-region"
+    assert [b / MB for _, b in est.timeline[1:4]] == [3.0, 3.5, 3.5]
+    assert est.peak_bytes == int(3.5 * MB) < simulate(g).peak_bytes
+
 def test_a_workspace_takes_a_free_chunk_before_the_steps_outputs():
     # Before c runs, a's 4 MiB chunk and 1.5 MiB of the first region are free.
     # c's 2.5 MiB of temporaries take the 4 MiB chunk whole (under twice the

@@ -10,7 +10,10 @@ set (importing tfremat sets it), is a best-fit-with-coalescing allocator
   would waste 128 MiB or more); otherwise the request gets it whole;
 - a freed chunk merges with its free neighbours in the same region;
 - when no free chunk fits, a new region is taken from the system, twice the
-  size of the one before (from 2 MiB), doubled again until the request fits.
+  size of the one before (from 2 MiB), doubled again until the request fits
+  (`allow_growth`: a CPU's allocator, and a GPU's with memory growth on); a GPU
+  without memory growth (TensorFlow's default) takes one region of all the
+  memory it may use at its first allocation instead (`region_bytes`).
 
 `get_memory_info(device)["peak"]` counts whole chunks, so a buffer can hold up to
 twice its bytes, and how much depends on which chunks are free when it is made:
@@ -30,6 +33,9 @@ ROUNDING_BYTES = 256
 FIRST_REGION_BYTES = 2 << 20
 #: A chunk wasting this much or more on a request is split however small the request.
 MAX_INTERNAL_FRAGMENTATION_BYTES = 128 << 20
+#: The one region of an allocator without growth, when its device's memory is not
+#: known: larger than any step, so every request is carved from it.
+WHOLE_DEVICE_BYTES = 1 << 50
 
 
 def rounded_bytes(nbytes: int) -> int:
@@ -48,6 +54,12 @@ class _Chunk:
 class BFCAllocator:
     """A replay of TensorFlow's BFC allocator on addresses, without memory.
 
+    Args:
+        region_bytes: None: regions grow, each twice the last from 2 MiB
+            (TensorFlow's `allow_growth`). Else the size of the one region taken
+            at the first allocation (a GPU's allocator without memory growth
+            takes all the memory it may use).
+
     Attributes:
         in_use_bytes: Bytes of the chunks handed out.
         region_bytes: Bytes of all regions taken from the system.
@@ -61,13 +73,16 @@ class BFCAllocator:
     bfc.free(a)
     b = bfc.allocate(5 << 20)  # at least twice 5 MiB: split, 11 MiB stay free
     print(bfc.in_use_bytes >> 20)  # 5
+    whole = BFCAllocator(region_bytes=WHOLE_DEVICE_BYTES)
+    whole.allocate(9 << 20)  # split from the one region
+    print(whole.in_use_bytes >> 20)  # 9
     ```
     """
 
-    def __init__(self) -> None:
+    def __init__(self, region_bytes: int | None = None) -> None:
         self._chunks: dict[int, _Chunk] = {}
         self._free: list[tuple[int, int]] = []  # (size, address), sorted
-        self._next_region = FIRST_REGION_BYTES
+        self._next_region = region_bytes or FIRST_REGION_BYTES
         self.region_bytes = 0
         self.in_use_bytes = 0
 

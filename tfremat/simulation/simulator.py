@@ -40,7 +40,7 @@ from typing import Any
 
 from tfremat.core import (Node, Offload, Plan, PlanEstimate, PlanGraph, PlanValidationError,
                           validate_plan)
-from tfremat.simulation.allocator import BFCAllocator
+from tfremat.simulation.allocator import WHOLE_DEVICE_BYTES, BFCAllocator
 from tfremat.simulation.schedule import Key, Schedule, build_schedule
 from tfremat.simulation.transfers import (BANDWIDTH_GBPS, DEVICE_FLOPS, Timing, Transfer,
                                         run_timeline)
@@ -49,10 +49,12 @@ from tfremat.simulation.transfers import (BANDWIDTH_GBPS, DEVICE_FLOPS, Timing, 
 SHARING_MODES = ("none", "inplace", "sharing")
 #: How a device's allocator counts the buffers' bytes under "sharing"
 #: (`PlanGraph.metadata["allocator"]`): "bfc", the chunks TensorFlow's BFC
-#: allocator hands out (`allocator.py`), or None, the bytes the buffers ask for
-#: (an allocator that gives each request its own size, such as CUDA's
-#: `cuda_malloc_async`).
-ALLOCATORS = ("bfc", None)
+#: allocator hands out from regions it takes as it grows (`allocator.py`: a
+#: CPU's, a GPU's with memory growth on); "bfc-one-region", its chunks carved
+#: from one region of all the device's memory (a GPU's without memory growth,
+#: TensorFlow's default); or None, the bytes the buffers ask for (an allocator
+#: that gives each request its own size, such as CUDA's `cuda_malloc_async`).
+ALLOCATORS = ("bfc", "bfc-one-region", None)
 
 
 @dataclasses.dataclass
@@ -259,8 +261,9 @@ def _estimate(schedule: Schedule, sharing: str, allocator: str | None, keys: lis
         (step, out_key, in_key) for step, out_key, in_key in schedule.inplace
         if in_key not in ends and in_key not in overlapped
         and schedule.last_use.get(in_key) == step and in_key in buffers and out_key in buffers]
-    if sharing == "sharing" and allocator == "bfc":
-        step_bytes = _allocator_bytes(schedule, buffers, shares)
+    if sharing == "sharing" and allocator is not None:
+        step_bytes = _allocator_bytes(schedule, buffers, shares,
+                                      one_region=allocator == "bfc-one-region")
     else:
         step_bytes = _summed_bytes(schedule, buffers, shares, freed=sharing == "sharing")
     graph = schedule.graph
@@ -357,7 +360,7 @@ def _summed_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]],
 
 
 def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]],
-                     shares: list[tuple[int, Any, Any]]) -> list[int]:
+                     shares: list[tuple[int, Any, Any]], one_region: bool = False) -> list[int]:
     """Bytes at each step as TensorFlow's BFC allocator counts them.
 
     Buffers are freed after their last reader and their memory reused by the
@@ -375,10 +378,13 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     twice its weights: building VGG19 peaked at 402 MiB for 213 MiB of weights,
     which then sat in chunks of 218 MiB). One step is played: playing a second
     one after it, as after a warm-up step, predicted the same peaks for the
-    plans of `benchmarks/rescore.py`.
+    plans of `benchmarks/rescore.py`. With `one_region` the allocator carves
+    every chunk from one region holding the device's memory (a GPU without
+    memory growth), so a request is handed a larger chunk only where a hole
+    between chunks in use fits it best.
     """
     graph = schedule.graph
-    bfc = BFCAllocator()
+    bfc = BFCAllocator(WHOLE_DEVICE_BYTES if one_region else None)
     bfc.free(bfc.allocate(2 * graph.total_persistent_bytes))
     # A shared layer's weights are on its first call only.
     weights = [node.param_bytes for node in graph if node.param_bytes]
