@@ -23,10 +23,14 @@ from tfremat.graph import extract
 from tfremat.memory import require_measurable_scope
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
-from tfremat.rewriter import PlanInstallation, choose_updates, rewrite_model, unit_layers
+from tfremat.rewriter import (PlanInstallation, choose_updates, rewrite_model, unit_layers,
+                              unwrapped)
 from tfremat.simulation import simulate
 
 logger = logging.getLogger("tfremat")
+
+#: The classes of the layers a rewrite makes, as an extracted graph names them.
+UNIT_CLASSES = ("RecomputeSegment", "UpdateUnit", "OffloadUnit")
 
 #: Seconds `measured_choice` may spend measuring plans by default. A trial of a
 #: small CNN takes 2-5 s on a 2-core CPU; under XLA every trial compiles its
@@ -246,14 +250,14 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
                                             "seconds")
     if measure:
         require_measurable_scope("tfremat.plan(measure=True)")
-    units = unit_layers(model)
-    if units:
-        warn(f"tfremat: {model.name!r} was rewritten by tfremat (its layers "
-             f"{', '.join(map(repr, units[:3]))}{', ...' if len(units) > 3 else ''} "
-             "are recompute, update or offload units): each unit is planned as one "
-             "layer whose backward pass holds all it recomputes, so predicted peaks run "
-             "high. For a plan as good as the first, plan the model it was rewritten "
-             "from (they share their weights) and rewrite that.")
+    if graph is not None and unit_layers(model):
+        units = [n.id for n in graph if n.class_name in UNIT_CLASSES]
+        if units:
+            warn(f"tfremat: the graph given for {model.name!r} holds its recompute, "
+                 f"update or offload units ({', '.join(map(repr, units[:3]))}"
+                 f"{', ...' if len(units) > 3 else ''}) as single layers, whose backward "
+                 "pass holds all they recompute, so predicted peaks run high. Without "
+                 "graph=, tfremat.plan plans the model it was rewritten from.")
     if offload == "auto":
         offload = bool(tf.config.list_physical_devices("GPU"))
     if planner in ("auto", "dqn"):
@@ -261,7 +265,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     with progress(verbose) as track:
         if graph is None:
             traced = track(f"tracing a training step of {model.name}", 1) if track else None
-            graph = extract(model, batch_size=batch_size, sample=sample)
+            graph = extract(unwrapped(model, compiled=True), batch_size=batch_size,
+                            sample=sample)
             if traced:
                 traced(1)
         # True and False hold for every plan (True warns once where it cannot be

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import keras
 import numpy as np
@@ -14,7 +15,7 @@ import tfremat
 from tests.fresh import run_fresh
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import BudgetError, Segment
-from tfremat.rewriter import rewrite_model
+from tfremat.rewriter import rewrite_model, unit_layers, unwrapped
 from tfremat.simulation import simulate
 
 def _nested_plan(model: keras.Model):
@@ -142,10 +143,13 @@ def test_a_rewritten_model_that_trained_with_updates_in_backward_exports(tmp_pat
                                atol=1e-6)
 
 
-def test_a_rewritten_model_saved_and_loaded_is_planned_again_with_a_warning(tmp_path):
-    """A unit's gradient sums are made after the ops that read them
-    (`summed_in_pairs`), so tracing a rewritten model with BatchNormalization
-    found an op reading a later one, and extraction failed on a KeyError."""
+def test_a_rewritten_model_saved_and_loaded_is_planned_as_the_model_it_was_rewritten_from(
+        tmp_path):
+    """Extracted as it is, each unit is one layer whose backward pass holds all
+    it recomputes (predicted high); `tfremat.plan`, `tfremat.rewrite` and the
+    `Planner` plan the model it was rewritten from, whose layers it holds.
+    Extracting it once failed on a KeyError: a unit's gradient sums are made
+    after the ops that read them (`summed_in_pairs`)."""
     keras.utils.set_random_seed(9)
     model = h.residual_cnn()
     model.compile(optimizer="sgd", loss="mse")
@@ -155,17 +159,30 @@ def test_a_rewritten_model_saved_and_loaded_is_planned_again_with_a_warning(tmp_
     loaded.compile(optimizer="sgd", loss="mse")
     x = np.random.default_rng(0).random((64, 16, 16, 3), "float32")
     y = np.zeros((64, 5), "float32")
-    # Without kernel scratch measured: with it, the plan's floor came within 16
-    # KiB of the plain step (6.78 against 6.79 MB) and moved with the machine's load.
-    graph = tfremat.extract(loaded, sample=(x, y), measure_kernels=False)
-    assert {n.class_name for n in graph} >= {"RecomputeSegment", "BatchNormalization"}
-    warning = r"'residual_cnn\w*' was rewritten by tfremat .*plan the model it was rewritten"
-    with pytest.warns(UserWarning, match=warning), pytest.raises(BudgetError) as error:
-        tfremat.plan(loaded, 1e-3, sample=(x, y), graph=graph)
-    lowest = error.value.min_budget_mb
-    with pytest.warns(UserWarning, match=warning):
-        plan = tfremat.plan(loaded, lowest, sample=(x, y), graph=graph)
-    assert plan.segments and plan.peak_bytes <= lowest * 2**20 < simulate(graph).peak_bytes
-    history = loaded.fit(x, y, batch_size=64, epochs=1, verbose=0,
-                         callbacks=[tfremat.Planner(lowest * 2, verbose=0)])
+    own = tfremat.extract(loaded, sample=(x, y), measure_kernels=False)
+    assert {n.class_name for n in own} >= {"RecomputeSegment", "BatchNormalization"}
+    with pytest.warns(UserWarning, match=r"graph given for 'residual_cnn\w*' holds its "
+                      r"recompute.*Without graph=, tfremat.plan plans the model it was"), \
+            pytest.raises(BudgetError):
+        tfremat.plan(loaded, 1e-3, sample=(x, y), graph=own)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fits = tfremat.plan(loaded, 1e6, sample=(x, y))
+    assert not [w for w in caught if "holds its recompute" in str(w.message)]
+    original = tfremat.extract(model, sample=(x, y), measure_kernels=False)
+    assert [(n.id, n.class_name) for n in fits.graph] == \
+        [(n.id, n.class_name) for n in original]
+    budget = 0.85 * simulate(fits.graph).peak_bytes / 2**20
+    plan = tfremat.plan(loaded, budget, graph=fits.graph)
+    assert plan.segments and plan.peak_bytes <= budget * 2**20
+    again = tfremat.rewrite(loaded, plan)
+    old_units = {id(layer) for layer in loaded._flatten_layers()
+                 if layer.name in unit_layers(loaded)}
+    assert not old_units & {id(layer) for layer in again._flatten_layers()}
+    h.assert_same_step(unwrapped(loaded), again, x[:4])
+
+    planner = tfremat.Planner(budget, verbose=0)
+    history = loaded.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[planner])
     assert np.isfinite(history.history["loss"][0])
+    assert [n.id for n in planner.graph] == [n.id for n in original]

@@ -21,7 +21,7 @@ from tfremat.graph import extract, is_subclassed, unbuilt_layers
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available, xla_compiled
 from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
-from tfremat.rewriter import PlanInstallation
+from tfremat.rewriter import PlanInstallation, unwrapped
 from tfremat.simulation import simulate
 
 
@@ -441,7 +441,8 @@ class Planner(keras.callbacks.Callback):
         with progress(self.verbose) as track:
             traced = track(f"tfremat: tracing a training step of {model.name}", 1) \
                 if track else None
-            self.graph = extract(model, sample=sample)
+            # A model rewritten before is planned as the model it was made from.
+            self.graph = extract(unwrapped(model, compiled=True), sample=sample)
             if traced:
                 traced(1)
             held = self._held_mb()

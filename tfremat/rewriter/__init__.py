@@ -6,7 +6,8 @@ layer (`exact_recompute.py` over `recompute_grad.py`) and offloaded tensors
 live on the host (`offload.py`); with updates in the backward pass, each unit
 applies the optimizer's update to its own weights (`backward_updates.py`).
 `PlanInstallation` applies a plan to a model's
-own training step, undoably (what the `Planner` callback uses). Importing this
+own training step, undoably (what the `Planner` callback uses). `unwrapped`
+gives back the model a rewritten model was made from, to plan it again. Importing this
 package registers `RecomputeSegment`, so rewritten models saved to `.keras` load
 with `keras.models.load_model`.
 """
@@ -17,9 +18,10 @@ require_tensorflow()
 
 from tfremat.rewriter.backward_updates import choose_updates, fallback_reason  # noqa: E402
 from tfremat.rewriter.install import PlanInstallation  # noqa: E402
-from tfremat.rewriter.rewriting import rewrite_model, unit_layers  # noqa: E402
+from tfremat.rewriter.rewriting import rewrite_model  # noqa: E402
 from tfremat.rewriter.segment_layer import RecomputeSegment  # noqa: E402
+from tfremat.rewriter.unwrap import unit_layers, unwrapped  # noqa: E402
 from tfremat.rewriter.update_layer import UpdateUnit  # noqa: E402
 
 __all__ = ["PlanInstallation", "RecomputeSegment", "UpdateUnit", "choose_updates",
-           "fallback_reason", "rewrite_model", "unit_layers"]
+           "fallback_reason", "rewrite_model", "unit_layers", "unwrapped"]

@@ -32,6 +32,10 @@ from tfremat.rewriter.segment_layer import RecomputeSegment
 from tfremat.rewriter.update_layer import UpdateUnit
 
 
+#: What a rewritten model's name adds to its original's.
+REWRITTEN_SUFFIX = "_recompute"
+
+
 @dataclasses.dataclass
 class OffloadSettings:
     """What the rebuild offloads, and where.
@@ -251,12 +255,12 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
     flat = [env[ref] for ref in output_refs]
     rewritten = keras.Model(functional._inputs_struct,
                             tree.pack_sequence_as(functional._outputs_struct, flat),
-                            name=f"{model.name}_recompute")
+                            name=model.name + REWRITTEN_SUFFIX)
     renamed = _named_outputs(flat, rewritten, functional.output_names)
     if renamed is not None:
         rewritten = keras.Model(functional._inputs_struct,
                                 tree.pack_sequence_as(functional._outputs_struct, renamed),
-                                name=f"{model.name}_recompute")
+                                name=model.name + REWRITTEN_SUFFIX)
     return _of_own_class(model, rewritten) if keep_class else rewritten
 
 

@@ -24,6 +24,7 @@ from tfremat.core import Plan, interrupts_deferred
 from tfremat.memory import measure_peak
 from tfremat.rewriter.backward_updates import for_plan
 from tfremat.rewriter.rewriting import rewrite_model
+from tfremat.rewriter.unwrap import unit_layers
 
 
 class PlanInstallation:
@@ -57,7 +58,9 @@ class PlanInstallation:
         if self._updates is not None:
             self._updates.bind(model)
         # Rewriting first: if it fails, nothing of the model was touched.
-        self._call = None if plan.is_empty else rewrite_model(
+        # An empty plan installs the plain step: nothing to swap, unless the
+        # model was rewritten before (it then runs the model it was made from).
+        self._call = None if plan.is_empty and not unit_layers(model) else rewrite_model(
             model, plan, updates=self._updates, keep_class=False).call
         self._original: Callable[..., Any] | None = None
         self._planned: Callable[..., Any] | None = None

@@ -8,14 +8,13 @@ import keras
 
 import tensorflow as tf
 
-from tfremat.core import (Plan, PlanValidationError, TfrematError, UnsupportedModelError,
-                          validate_plan, warn)
+from tfremat.core import (Plan, PlanMismatchError, PlanValidationError, TfrematError,
+                          UnsupportedModelError, validate_plan, warn)
 from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
 from tfremat.rewriter.backward_updates import (BackwardUpdates, for_plan,
                                                update_in_training_steps)
 from tfremat.rewriter.functional import OffloadSettings, rebuild
-from tfremat.rewriter.offload_layers import OffloadUnit
-from tfremat.rewriter.submodel_layer import SubmodelLayer
+from tfremat.rewriter.unwrap import unit_layers, unwrapped
 
 
 def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None = None,
@@ -151,6 +150,15 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                  "after the backward pass: updates in the backward pass apply "
                  "to functional and Sequential models.", RuntimeWarning)
         return rewrite_subclassed(model, plan, sample)
+    if unit_layers(model):
+        # A model rewritten before: a plan for the model it was rewritten from
+        # rewrites that; a plan for its own graph (units as layers) rewrites it.
+        original = unwrapped(model)
+        try:
+            plan.for_graph(structure_graph(original))
+            model = original
+        except PlanMismatchError:
+            pass
     sites, output_refs = walk_with_outputs(model)
     structure = structure_graph(model)
     plan = plan.for_graph(structure)
@@ -198,19 +206,3 @@ def _offload_devices(compute_device: str | None,
             f"Offload needs two devices; compute_device and host_device are both "
             f"{compute_device!r}.")
     return compute_device, host_device
-
-
-def unit_layers(model: keras.Model) -> list[str]:
-    """The names of the layers of `model` that a rewrite made: recompute
-    segments, update and offload units (a model `rewrite_model` returned, or
-    one loaded from its `.keras` file).
-
-    Args:
-        model: A Keras model.
-
-    Returns:
-        Their names, in `model`'s layer order; empty for a model tfremat did
-        not rewrite.
-    """
-    return [layer.name for layer in model._flatten_layers(include_self=False)
-            if isinstance(layer, (SubmodelLayer, OffloadUnit))]
