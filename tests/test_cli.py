@@ -1,6 +1,7 @@
 """The `tfremat` command."""
 
 import re
+import warnings
 
 import keras
 import pytest
@@ -167,3 +168,27 @@ def test_run_demo_refuses_a_bad_number_naming_its_argument(name, value, error):
 
     with pytest.raises(error, match=f"{name} must be"):
         run_demo(**{name: value}, export=None, plot=None, verbose=0)
+
+
+def test_a_rewritten_model_file_is_estimated_and_planned_as_its_original(tmp_path, capsys):
+    inp = keras.Input((16, 16, 3))
+    x = inp
+    for _ in range(4):
+        x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inp, keras.layers.Dense(10, activation="softmax")(x), name="deep")
+    model.compile(optimizer="sgd", loss="categorical_crossentropy")
+    calls = len(tfremat.extract(model, batch_size=4))
+    convs = [layer.name for layer in model.layers if "conv" in layer.name]
+    plan = tfremat.Plan.from_segments(tfremat.extract(model, batch_size=4),
+                                      [tfremat.Segment(convs[1:3])])
+    path = str(tmp_path / "deep_rewritten.keras")
+    tfremat.rewrite(model, plan).save(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["estimate", path, "--batch-size", "4"]) == 0
+        assert cli.main(["plan", path, "--budget-mb", "1000", "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"deep: one training step, batch 4, {calls} layer calls" in out
+    assert 'Plan for "deep"' in out
+    assert not [w for w in caught if "units" in str(w.message)]

@@ -103,11 +103,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     import tfremat
     from tfremat.planners import PLANNERS
+    from tfremat.rewriter import unwrapped
     from tfremat.simulation import SHARING_MODES
 
     console = _console()
     with console.status(f"Tracing a training step of {args.model} ..."):
-        model = _prepare(args)
+        # A model tfremat rewrote is estimated as the model it was rewritten from.
+        model = unwrapped(_prepare(args), compiled=True)
         graph = tfremat.extract(model, batch_size=args.batch_size)
     rows = [(s, tfremat.simulate(graph, sharing=s)) for s in SHARING_MODES]
     # Chen et al.'s "drop bn-relu" and "sublinear plan" rows: sharing plus a plan.
@@ -144,11 +146,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plans a model under a budget: summary, optional picture, JSON and measurement."""
     import tfremat
     from tfremat.export import summary, write_picture
+    from tfremat.rewriter import unwrapped
 
     console = _console()
     with console.status(f"Tracing a training step of {args.model} ..."):
         model = _prepare(args)
-        graph = tfremat.extract(model, batch_size=args.batch_size)
+        # A model tfremat rewrote is planned as the model it was rewritten from.
+        graph = tfremat.extract(unwrapped(model, compiled=True), batch_size=args.batch_size)
     plan = tfremat.plan(model, args.budget_mb, graph=graph, planner=args.planner,
                         objective=args.objective, verbose=1, measure=args.measure,
                         batch_size=args.batch_size,
