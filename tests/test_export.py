@@ -100,6 +100,17 @@ def test_a_segment_does_not_keep_what_its_calls_keep_inside():
     assert "1 layers, 3.0 MiB not kept" in export.to_pydot(g, plan).to_string()
 
 
+
+def test_a_segment_keeping_under_a_kibibyte_out_of_memory_says_its_bytes():
+    """A new user read "0 KiB" in an every-unit plan as a segment saving
+    nothing: a lone BatchNormalization keeps its 384 bytes of statistics out."""
+    g = chain(4, mb=384 / 2**20)  # each output 384 bytes
+    plan = Plan.from_segments(g, [["l0", "l1"]], planner="manual")
+    assert "segment 0        2        384 B  l0 .. l1" in export.summary(g, plan)
+    big = chain(4, mb=3 / 1024)  # 3 KiB outputs
+    assert "segment 0        2        3 KiB  l0 .. l1" in export.summary(
+        big, Plan.from_segments(big, [["l0", "l1"]], planner="manual"))
+
 def test_summary_says_whether_and_what_was_measured():
     """A plan returned by `plan(..., measure=True)` shows its measured peak; one
     that was only predicted says so."""
