@@ -216,7 +216,7 @@ def test_the_minimum_stated_rests_on_the_lowest_plan_measured_twice(monkeypatch)
     assert all(" MiB -> measured " in line for line in lines)
     # The second measurement of a plan says so: read alone, a first measurement
     # under the budget looked like a plan refused for nothing.
-    again = [line.strip().startswith("the same plan again, ") for line in lines]
+    again = [line.strip().startswith("the same plan again") for line in lines]
     assert again == [i > 0 and FakeInstallation.measured[i] in FakeInstallation.measured[:i]
                      for i in range(len(lines))] and sum(again) >= 1, lines
 
@@ -803,3 +803,21 @@ def test_plans_measured_after_a_step_predicted_to_fit_update_in_the_backward_pas
     assert len(measured) > 1 and all(p.update_in_backward for p in measured[1:])
     assert chosen.update_in_backward and chosen.update_note == ""
     assert chosen.estimates.details["measured_peak_bytes"] <= plain * 1.05
+
+
+def test_a_plan_measured_again_is_named_when_two_plans_are_predicted_alike():
+    """A new user's list had "every unit recomputed on its own" and "without
+    recomputation" both predicted at 97.5 MiB, then "the same plan again,
+    predicted 97.5 MiB" twice, not saying which."""
+    mib = 2**20
+    unplanned = {"predicted_bytes": 97 * mib, "measured_bytes": 98 * mib,
+                 "unplanned": True, "planner": "auto", "again": True}
+    every = {**unplanned, "unplanned": False, "planner": "every-unit"}
+    dp = {**unplanned, "unplanned": False, "planner": "approx-dp"}
+    assert api.trial_text(unplanned).startswith(
+        "the same plan again (without recomputation), predicted 97.0 MiB -> 98.0 MiB")
+    assert api.trial_text(every).startswith(
+        "the same plan again (every unit recomputed on its own), predicted")
+    assert api.trial_text(dp).startswith("the same plan again, predicted")
+    assert api.trial_text({**every, "again": False}).startswith(
+        "every unit recomputed on its own, predicted")

@@ -629,10 +629,13 @@ def largest_with_room(budget: int) -> float:
 
 def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
     """One trial of a plan's estimate details (`"trials"`) in words."""
-    kind = ("the same plan again, " if trial.get("again") else
-            "without recomputation, " if trial.get("unplanned") else
-            "every unit recomputed on its own, " if trial.get("planner") == "every-unit"
+    name = ("without recomputation" if trial.get("unplanned") else
+            "every unit recomputed on its own" if trial.get("planner") == "every-unit"
             else "")
+    if trial.get("again"):  # named: two plans may be predicted alike
+        kind = f"the same plan again ({name}), " if name else "the same plan again, "
+    else:
+        kind = f"{name}, " if name else ""
     return (f"{kind}predicted {trial['predicted_bytes'] / MIB:.1f} MiB {arrow} "
             f"{trial['measured_bytes'] / MIB:.1f} MiB")
 
