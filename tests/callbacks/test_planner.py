@@ -1,5 +1,6 @@
 """The Planner callback inside model.fit."""
 
+import dataclasses
 import re
 import time
 import warnings
@@ -308,6 +309,39 @@ def test_a_replan_below_the_floor_says_it_plans_at_the_floor(monkeypatch):
     assert one_byte == 1 / MIB
     assert f"re-planning for {floor:.1f} MiB, the lowest peak the planner predicts" in why_floor
 
+
+
+@pytest.mark.parametrize("measured_mb, verdict", [(36.0, "within"), (43.0, "over")])
+def test_a_replan_missing_its_target_says_where_its_plan_stands_against_the_budget(
+        monkeypatch, measured_mb, verdict):
+    """A re-plan asks for less than the budget; when no plan measures within
+    that target, its warning quoted "A budget of 91.8 MiB cannot be met" and a
+    new user's epochs then ran within the budget of 107.8."""
+    model = make_model()
+    graph = tfremat.extract(model, batch_size=BATCH)
+    planner = tfremat.Planner(40.0, verbose=0)
+    planner.set_model(model)
+    planner.graph = graph
+    lowest = tfremat.Plan.from_segments(graph, [])
+    lowest.estimates = dataclasses.replace(
+        tfremat.simulate(graph, lowest).plan_estimate(),
+        details={"measured_peak_bytes": int(measured_mb * MIB)})
+
+    def refuse(*args, **kwargs):
+        error = tfremat.BudgetError(int(30 * MIB), int(measured_mb * 1.05 * MIB), "auto",
+                                    measured=True)
+        error.measured_plan = lowest
+        raise error
+
+    monkeypatch.setattr(tfremat.api, "plan", refuse)
+    with pytest.warns(RuntimeWarning) as said:
+        assert planner._plan(30.0, why="re-planning for 30.0 MiB (...): ") is lowest
+    text = str(said[0].message)
+    assert "A budget of 30.0 MiB cannot be met" in text
+    assert text.endswith(f"It measured {measured_mb:.1f} MiB, {verdict} the budget of 40.0 MiB.")
+    with pytest.warns(RuntimeWarning) as first:  # planned for the budget: nothing added
+        planner._plan(40.0)
+    assert "It measured" not in str(first[0].message)
 
 @pytest.mark.parametrize("made_mb, switches", [(90.0, False), (80.0, True)])
 def test_a_replan_at_the_floor_keeps_a_plan_in_use_that_measured_lower(

@@ -501,8 +501,18 @@ class Planner(keras.callbacks.Callback):
                 raise
             # The prediction fits but no plan measured within the budget: train
             # with the lowest, and say so (and do not re-plan: see `_over_budget`).
+            # Planned for less than the budget (a re-plan), say where that plan
+            # stands against the budget itself: a new user read "cannot be met"
+            # of a re-plan's target, then saw the epochs within the budget.
+            details = e.measured_plan.estimates.details if e.measured_plan.estimates else {}
+            measured = details.get("measured_peak_bytes")
+            verdict = ""
+            if why and measured is not None:
+                verdict = (f" It measured {measured / MIB:.1f} MiB, "
+                           + ("within" if measured <= self.budget_mb * MIB else "over")
+                           + f" the budget of {self.budget_mb:.1f} MiB.")
             warn(f"tfremat: {why}{e}\nThis fit trains with the plan that measured "
-                 f"lowest{NEAR_LOWEST}.", RuntimeWarning)
+                 f"lowest{NEAR_LOWEST}.{verdict}", RuntimeWarning)
             self._lowest_measured = e.measured_plan
             return e.measured_plan
 
