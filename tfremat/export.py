@@ -32,8 +32,8 @@ _NO_GRAPHVIZ = (
 
 def _mib(nbytes: float) -> str:
     """`nbytes` in MiB, KiB below 0.1 MiB, bytes below 1 KiB (a lone
-    BatchNormalization segment keeps its 128-byte statistics out of memory:
-    "0 KiB" read as nothing)."""
+    BatchNormalization segment keeps a few hundred bytes of statistics out of
+    memory: "0 KiB" read as nothing)."""
     if nbytes >= MIB / 10:
         return f"{nbytes / MIB:.1f} MiB"
     return f"{nbytes / 1024:.0f} KiB" if nbytes >= 1024 else f"{nbytes:.0f} B"

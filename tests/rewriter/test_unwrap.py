@@ -83,3 +83,22 @@ def test_a_model_rewritten_twice_is_rewritten_from_the_first():
 def test_a_model_tfremat_did_not_rewrite_is_its_own_original():
     model = h.residual_cnn()
     assert unwrapped(model) is model
+
+
+def test_compiled_it_trains_as_the_model_with_its_own_optimizer_and_a_custom_loss():
+    """Compiled as the rewritten model is (to trace its step): the optimizer
+    object itself, the loss and metrics made again, or as given when Keras
+    cannot make them from their configuration (a loss it has no name for)."""
+    keras.utils.set_random_seed(6)
+    model = h.residual_cnn()
+
+    def halved_mse(y_true, y_pred):  # not registered: its config does not load here
+        return 0.5 * keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+    rewritten = rewrite_model(model, _nested_plan(model, False))
+    rewritten.compile(optimizer=keras.optimizers.SGD(0.1), loss=halved_mse, metrics=["mae"])
+    original = unwrapped(rewritten, compiled=True)
+    assert original.compiled and original.optimizer is rewritten.optimizer
+    x, y = h.batch_for(model), np.ones((2, 5), "float32")
+    assert np.isclose(original.evaluate(x, y, verbose=0)[0],
+                      rewritten.evaluate(x, y, verbose=0)[0])

@@ -17,7 +17,7 @@ import keras
 from keras import tree
 
 from tfremat.graph import as_functional, is_subclassed
-from tfremat.rewriter.functional import REWRITTEN_SUFFIX
+from tfremat.rewriter.functional import REWRITTEN_SUFFIX, _of_own_class
 from tfremat.rewriter.offload_layers import GradientSignal, HostCopy, OffloadUnit
 from tfremat.rewriter.submodel_layer import SubmodelLayer
 
@@ -29,8 +29,8 @@ def unwrapped(model: keras.Model, *, compiled: bool = False) -> keras.Model:
     calls of its sub-model (nested segments too), each `GradientSignal` and
     `HostCopy` by its inputs, and an `Identity` that gave a model output back
     the name of the layer making it inside a unit is left out. The result has
-    `model`'s inputs, outputs and class (as `keras.models.clone_model` keeps
-    it).
+    `model`'s inputs and outputs, and its class when that class has its own
+    training methods (as `rewrite_model` keeps it).
 
     Args:
         model: A Keras model.
@@ -73,14 +73,25 @@ def unwrapped(model: keras.Model, *, compiled: bool = False) -> keras.Model:
     # Inputs named after the input layers, as the model's own are.
     inputs = tree.map_structure(
         lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, sparse=x.sparse,
-                              name=_made_by(x)), functional.input)
-    original = keras.models.clone_model(functional, input_tensors=inputs,
-                                        clone_function=lambda op: op, call_function=call)
-    original.name = model.name.removesuffix(REWRITTEN_SUFFIX)
+                              name=_made_by(x)), functional._inputs_struct)
+    outputs = functional._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call)
+    original = _of_own_class(model, keras.Model(
+        inputs, outputs, name=model.name.removesuffix(REWRITTEN_SUFFIX)))
     if compiled and model.compiled:
-        config = keras.saving.deserialize_keras_object(model.get_compile_config())
-        original.compile(**{**config, "optimizer": model.optimizer})
+        original.compile(**_compile_arguments(model))
     return original
+
+
+def _compile_arguments(model: keras.Model) -> dict[str, Any]:
+    """The arguments `model` was compiled with, its optimizer the object itself:
+    its loss and metrics made again from their configuration (as loading a
+    `.keras` file does), or given as they were when that fails (a custom loss
+    Keras cannot make from its name here)."""
+    try:
+        config = keras.saving.deserialize_keras_object(model.get_compile_config())
+    except Exception:  # whatever failed: the objects as given
+        config = dict(model._compile_config.config)
+    return {**config, "optimizer": model.optimizer}
 
 
 def _made_by(tensor: Any) -> str | None:
