@@ -109,6 +109,11 @@ class Node:
             recompute whose backward reads none of the call's outputs then
             runs only them: TensorFlow prunes the ops whose results nothing
             reads.
+        saved_flops: FLOPs of the ops such a recompute runs: those making
+            `internal_saved_bytes` and, inside the call, the ops they read
+            (a Dropout's random mask; all of an LSTM's loop, which makes the
+            saved tensors with its outputs). 0 in graphs saved before it was
+            recorded.
         alias_inputs: For each output, the position in `inputs` of the input
             whose buffer it is (a reshape or identity), or None for a new buffer.
             Empty means no output aliases an input.
@@ -145,6 +150,7 @@ class Node:
     inplace: bool = False
     backward_inplace: bool = False
     saved_apart: bool = False
+    saved_flops: float = 0.0
     alias_inputs: list[int | None] = dataclasses.field(default_factory=list)
     duplicate_of: list[str | None] = dataclasses.field(default_factory=list)
 

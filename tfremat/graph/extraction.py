@@ -437,6 +437,23 @@ def _saved_apart(positions: set[int], outputs: list[_Root], saved: set[_Root],
     return all(r[0] not in after for r in saved)
 
 
+def _saved_flops(positions: set[int], saved: set[_Root], flow: _Dataflow) -> float:
+    """FLOPs of the ops at `positions` (a call's forward ops) that make its
+    saved intermediates `saved`, or that those ops read from, directly or not:
+    what a recompute running only them runs. An LSTM's saved tensors come out
+    of its loop, which makes its outputs too: all of its cost."""
+    todo = [r[0] for r in saved if r[0] in positions]
+    needed = set(todo)
+    while todo:
+        op = flow.ops[todo.pop()]
+        for source in [*(t.op for t in op.inputs), *op.control_inputs]:
+            i = flow.index.get(source.name)
+            if i is not None and i in positions and i not in needed:
+                needed.add(i)
+                todo.append(i)
+    return float(sum(costs.op_flops(flow.ops[i]) for i in needed))
+
+
 def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                          is_temporary: Any, carried: int = 0,
                          counted: frozenset[_Root] = frozenset()) -> int:
@@ -688,6 +705,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             carried=overlapping.get(site.id, 0))
             for order in (bwd_pos, _ready_first(bwd_pos, flow)))
         saved_apart = _saved_apart(fwd_set, out_roots, saved_inside[site.id], flow)
+        saved_flops = (_saved_flops(fwd_set, saved_inside[site.id], flow)
+                       if saved_apart else 0.0)
         backward_inplace = _gradient_in_place(
             bwd_pos, flow, [by_id[r.rsplit(":", 1)[0]].outputs[int(r.rsplit(":", 1)[1])].bytes
                             for r in inputs if r.rsplit(":", 1)[0] in by_id])
@@ -713,6 +732,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             flops_forward=sum(costs.op_flops(ops[i]) for i in fwd_pos),
             flops_backward=sum(costs.op_flops(ops[i]) for i in bwd_pos),
             inplace=inplace, backward_inplace=backward_inplace, saved_apart=saved_apart,
+            saved_flops=saved_flops,
             alias_inputs=[_alias_position(r, inputs, out_ref) if a else None
                           for r, a in zip(out_roots, aliases_input)],
             duplicate_of=duplicate_of if any(duplicate_of) else [],

@@ -439,8 +439,14 @@ class Schedule:
         """Recomputes only what `node`'s backward reads of its own making."""
         runs = self.times_run.get(node.id, 0)
         self.times_run[node.id] = runs + 1
+        # The share of the call's forward those ops are (all of an LSTM's).
+        share = min(1.0, node.saved_flops / node.flops_forward) if node.flops_forward else 0.0
+        seconds = share * node_seconds(node, self.device_flops)[0]
+        self.extra_compute += share * node.forward_cost
+        self.extra_flops += share * node.flops_forward
+        self.recompute_seconds += seconds
         self._alloc_saved(node, ctx, self._step(
-            f"fwd {node.id} (recompute {runs}, saved tensors only)"))
+            f"fwd {node.id} (recompute {runs}, saved tensors only)", seconds=seconds))
 
     def _alloc_saved(self, node: Node, ctx: "_Context", step: int) -> None:
         """Allocates at `step` the tensors of `node`'s own making that its
