@@ -23,14 +23,11 @@ from tfremat.graph import extract
 from tfremat.memory import require_measurable_scope
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
-from tfremat.rewriter import (PlanInstallation, choose_updates, rewrite_model, unit_layers,
-                              unwrapped)
+from tfremat.rewriter import (UNIT_CLASSES, PlanInstallation, choose_updates, rewrite_model,
+                              unit_layers, unwrapped)
 from tfremat.simulation import simulate
 
 logger = logging.getLogger("tfremat")
-
-#: The classes of the layers a rewrite makes, as an extracted graph names them.
-UNIT_CLASSES = ("RecomputeSegment", "UpdateUnit", "OffloadUnit")
 
 #: Seconds `measured_choice` may spend measuring plans by default. A trial of a
 #: small CNN takes 2-5 s on a 2-core CPU; under XLA every trial compiles its

@@ -20,8 +20,8 @@ from tfremat.rewriter.backward_updates import choose_updates, fallback_reason  #
 from tfremat.rewriter.install import PlanInstallation  # noqa: E402
 from tfremat.rewriter.rewriting import rewrite_model  # noqa: E402
 from tfremat.rewriter.segment_layer import RecomputeSegment  # noqa: E402
-from tfremat.rewriter.unwrap import unit_layers, unwrapped  # noqa: E402
+from tfremat.rewriter.unwrap import UNIT_CLASSES, unit_layers, unwrapped  # noqa: E402
 from tfremat.rewriter.update_layer import UpdateUnit  # noqa: E402
 
-__all__ = ["PlanInstallation", "RecomputeSegment", "UpdateUnit", "choose_updates",
-           "fallback_reason", "rewrite_model", "unit_layers", "unwrapped"]
+__all__ = ["PlanInstallation", "RecomputeSegment", "UNIT_CLASSES", "UpdateUnit",
+           "choose_updates", "fallback_reason", "rewrite_model", "unit_layers", "unwrapped"]

@@ -8,8 +8,8 @@ import keras
 
 import tensorflow as tf
 
-from tfremat.core import (Plan, PlanMismatchError, PlanValidationError, TfrematError,
-                          UnsupportedModelError, validate_plan, warn)
+from tfremat.core import (Plan, PlanGraph, PlanMismatchError, PlanValidationError,
+                          TfrematError, UnsupportedModelError, validate_plan, warn)
 from tfremat.graph import is_subclassed, structure_graph, walk_with_outputs
 from tfremat.rewriter.backward_updates import (BackwardUpdates, for_plan,
                                                update_in_training_steps)
@@ -150,18 +150,8 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
                  "after the backward pass: updates in the backward pass apply "
                  "to functional and Sequential models.", RuntimeWarning)
         return rewrite_subclassed(model, plan, sample)
-    if unit_layers(model):
-        # A model rewritten before: a plan for the model it was rewritten from
-        # rewrites that; a plan for its own graph (units as layers) rewrites it.
-        original = unwrapped(model)
-        try:
-            plan.for_graph(structure_graph(original))
-            model = original
-        except PlanMismatchError:
-            pass
+    model, structure, plan = _planned_model(model, plan)
     sites, output_refs = walk_with_outputs(model)
-    structure = structure_graph(model)
-    plan = plan.for_graph(structure)
     validate_plan(plan, structure)
     offload = None
     if plan.offloaded:
@@ -188,6 +178,27 @@ def rewrite_model(model: keras.Model, plan: Plan, *, compute_device: str | None 
         updates.bind(rewritten)
         update_in_training_steps(rewritten, updates)
     return rewritten
+
+
+def _planned_model(model: keras.Model, plan: Plan) -> tuple[keras.Model, PlanGraph, Plan]:
+    """The model `plan` rewrites, its structure graph and `plan` in its node ids.
+
+    A model rewritten before: a plan for the model it was rewritten from
+    (`unwrapped`) rewrites that; a plan for its own graph (units as layers)
+    rewrites it as it is.
+
+    Raises:
+        PlanMismatchError: the plan was made for neither.
+    """
+    if unit_layers(model):
+        original = unwrapped(model)
+        structure = structure_graph(original)
+        try:
+            return original, structure, plan.for_graph(structure)
+        except PlanMismatchError:
+            pass
+    structure = structure_graph(model)
+    return model, structure, plan.for_graph(structure)
 
 
 def _offload_devices(compute_device: str | None,

@@ -19,7 +19,12 @@ from keras import tree
 from tfremat.graph import as_functional, is_subclassed
 from tfremat.rewriter.functional import REWRITTEN_SUFFIX, _of_own_class
 from tfremat.rewriter.offload_layers import GradientSignal, HostCopy, OffloadUnit
+from tfremat.rewriter.segment_layer import RecomputeSegment
 from tfremat.rewriter.submodel_layer import SubmodelLayer
+from tfremat.rewriter.update_layer import UpdateUnit
+
+#: The class names of the layers a rewrite makes, as an extracted graph names them.
+UNIT_CLASSES = tuple(c.__name__ for c in (RecomputeSegment, UpdateUnit, OffloadUnit))
 
 
 def unwrapped(model: keras.Model, *, compiled: bool = False) -> keras.Model:

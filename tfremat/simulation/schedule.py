@@ -324,9 +324,7 @@ class Schedule:
         self.times_run[node.id] = runs + 1
         seconds = 0.0 if merged else node_seconds(node, self.device_flops)[0]
         if runs and not merged:
-            self.extra_compute += node.forward_cost
-            self.extra_flops += node.flops_forward
-            self.recompute_seconds += seconds
+            self._count_recompute(node, seconds)
         transient = 0 if merged else node.forward_workspace_bytes
         if not record and not merged:
             transient += node.internal_saved_bytes
@@ -442,11 +440,16 @@ class Schedule:
         # The share of the call's forward those ops are (all of an LSTM's).
         share = min(1.0, node.saved_flops / node.flops_forward) if node.flops_forward else 0.0
         seconds = share * node_seconds(node, self.device_flops)[0]
+        self._count_recompute(node, seconds, share)
+        self._alloc_saved(node, ctx, self._step(
+            f"fwd {node.id} (recompute {runs}, saved tensors only)", seconds=seconds))
+
+    def _count_recompute(self, node: Node, seconds: float, share: float = 1.0) -> None:
+        """Counts a recompute of `share` of `node`'s forward pass, taking
+        `seconds`, as extra compute."""
         self.extra_compute += share * node.forward_cost
         self.extra_flops += share * node.flops_forward
         self.recompute_seconds += seconds
-        self._alloc_saved(node, ctx, self._step(
-            f"fwd {node.id} (recompute {runs}, saved tensors only)", seconds=seconds))
 
     def _alloc_saved(self, node: Node, ctx: "_Context", step: int) -> None:
         """Allocates at `step` the tensors of `node`'s own making that its
