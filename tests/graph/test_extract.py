@@ -667,3 +667,32 @@ def test_a_users_keras_remat_is_the_backward_of_its_call():
     # what the process held, so that other tests' leftovers do not count.
     measured = tfremat.measure_peak(model, batch_size=16, return_details=True)
     assert tfremat.simulate(graph).activation_peak_bytes >= 0.8 * measured.step_bytes
+
+
+def test_a_weight_gradient_kernel_beside_the_next_calls_backward_is_recorded_as_carried():
+    """On a CPU's inter-op threads a convolution's filter gradient, which no
+    input gradient waits for, runs beside the backward of the calls before it:
+    its scratch counts in theirs and is recorded apart, with its call, so that
+    a plan whose units wait for their weight gradients can leave it out."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(32, 3, padding="same", name="c0"),
+        keras.layers.ReLU(name="r0"),
+        keras.layers.Conv2D(32, 3, padding="same", name="c1"),
+        keras.layers.GlobalAveragePooling2D(name="pool"),
+        keras.layers.Dense(10, name="head")])
+    model.compile(optimizer="sgd", loss="mse")
+    graph = tfremat.extract(model, batch_size=16)
+    for node in graph:
+        assert 0 <= node.backward_carried_bytes <= node.backward_workspace_bytes, node
+        assert bool(node.backward_carried_from) == (node.backward_carried_bytes > 0), node
+    if not (graph.metadata.get("concurrent_ops") and graph.metadata.get(
+            "kernel_workspaces", {}).get("largest_bytes")):
+        assert not any(n.backward_carried_bytes for n in graph)
+        return
+    # c1's filter gradient is beside r0's backward (and c0's, whose own
+    # kernels do not wait for it either).
+    relu = graph.node("r0")
+    assert relu.backward_carried_from == "c1" and relu.backward_carried_bytes > 0, relu
+    assert graph.node("c1").backward_carried_from != "c1"

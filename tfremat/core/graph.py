@@ -89,7 +89,18 @@ class Node:
         forward_workspace_bytes: Peak transient memory of the call's forward ops
             beyond its outputs and saved tensors.
         backward_workspace_bytes: Peak transient memory of its backward ops beyond
-            the input gradients it produces.
+            the input gradients it produces, `backward_carried_bytes` included.
+        backward_carried_bytes: The part of `backward_workspace_bytes` that is
+            the scratch of another call's kernel still running beside this
+            call's backward: a weight gradient's (a 3x3 `Conv2DBackpropFilter`
+            holds up to 30 MiB on CPU), which no input gradient waits for, so
+            the executor goes on beside it. 0 where the backward pass runs one
+            kernel at a time, and in graphs saved before it was recorded.
+        backward_carried_from: The id of the call whose kernel that is ("" for
+            none). A plan whose units hand on their input gradients only once
+            their weight gradients exist (updates in the backward pass, a
+            pinned order) leaves no such kernel running beside the calls before
+            that call's unit.
         param_bytes: Bytes of the trainable weights whose gradient this call
             produces (0 for later calls of a shared layer).
         flops_forward: Floating point operations of the forward pass.
@@ -142,6 +153,8 @@ class Node:
     internal_saved_pieces: int = 1
     forward_workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
+    backward_carried_bytes: int = 0
+    backward_carried_from: str = ""
     param_bytes: int = 0
     flops_forward: float = 0.0
     flops_backward: float = 0.0

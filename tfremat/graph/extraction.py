@@ -343,10 +343,10 @@ def _scratch_spans(positions: list[int], local: dict[int, int],
 
 
 def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
-                         owner: list[str | None]) -> dict[str, int]:
+                         owner: list[str | None]) -> dict[str, tuple[int, str]]:
     """For each node, the scratch of an earlier node's kernel that may still be
-    running while its backward runs (only when kernels run side by side,
-    `flow.concurrent`).
+    running while its backward runs, and that node's id (only when kernels run
+    side by side, `flow.concurrent`).
 
     A backward kernel whose outputs no other node's backward reads (a weight
     gradient, which only the update reads) is off the chain of output
@@ -359,15 +359,16 @@ def _overlapping_scratch(traced: TracedStep, flow: _Dataflow,
     gradient of an activity regularizer runs at the start of the backward
     pass, long before the rest of its layer's.
     """
-    carry: dict[str, int] = {}
+    carry: dict[str, tuple[int, str]] = {}
     if not flow.concurrent:
         return carry
     bwd = range(traced.backward_start, traced.backward_end)
     pending_owner, pending = None, 0
     for i in bwd:
         v = owner[i]
-        if v not in _NOT_CALLS:
-            carry[v] = max(carry.get(v, 0), pending if pending_owner != v else 0)
+        if v not in _NOT_CALLS and pending_owner != v and (
+                pending > carry.get(v, (0, ""))[0]):
+            carry[v] = (pending, "" if pending_owner in _NOT_CALLS else pending_owner)
         if flow.scratch.get(i) and _off_the_chain(i, flow, owner, bwd):
             pending_owner, pending = v, flow.scratch[i]
     return carry
@@ -700,10 +701,11 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         forward_ws = _peak_of_temporaries(
             [i for i in fwd_pos if i not in early], flow,
             lambda r: r not in out_roots and r not in saved_roots)
-        backward_ws = max(_peak_of_temporaries(
+        carried, carried_from = overlapping.get(site.id, (0, ""))
+        backward_ws, backward_alone = (max(_peak_of_temporaries(
             order, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
-            carried=overlapping.get(site.id, 0))
-            for order in (bwd_pos, _ready_first(bwd_pos, flow)))
+            carried=scratch) for order in (bwd_pos, _ready_first(bwd_pos, flow)))
+            for scratch in (carried, 0))
         saved_apart = _saved_apart(fwd_set, out_roots, saved_inside[site.id], flow)
         saved_flops = (_saved_flops(fwd_set, saved_inside[site.id], flow)
                        if saved_apart else 0.0)
@@ -728,6 +730,8 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             internal_saved_bytes=int(internal_saved.get(site.id, 0)),
             internal_saved_pieces=max(1, saved_buffers.get(site.id, 0)),
             forward_workspace_bytes=forward_ws, backward_workspace_bytes=backward_ws,
+            backward_carried_bytes=backward_ws - backward_alone,
+            backward_carried_from=carried_from if backward_ws > backward_alone else "",
             param_bytes=param_bytes,
             flops_forward=sum(costs.op_flops(ops[i]) for i in fwd_pos),
             flops_backward=sum(costs.op_flops(ops[i]) for i in bwd_pos),

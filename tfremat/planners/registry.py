@@ -6,7 +6,7 @@ import collections
 import dataclasses
 from typing import Any, Callable
 
-from tfremat.core import (BudgetError, Plan, PlanGraph, budget_unit_hint, warn,
+from tfremat.core import (BudgetError, Node, Plan, PlanGraph, budget_unit_hint, warn,
                           with_pinned_order, with_updates_in_backward)
 from tfremat.planners import toolkit as seg
 from tfremat.planners._progress import progress
@@ -251,17 +251,24 @@ def _auto(graph: PlanGraph, budget_bytes: int, objective: str, time_limit: float
 WORKSPACE_NOTE_FRACTION = 0.25
 
 
+def _own_workspaces(node: Node) -> tuple[int, int]:
+    """`node`'s forward and backward workspaces, without another call's kernel
+    running beside its backward (`Node.backward_carried_bytes`), which a
+    pinned order does away with."""
+    return (node.forward_workspace_bytes,
+            node.backward_workspace_bytes - node.backward_carried_bytes)
+
+
 def _floor_note(graph: PlanGraph, minimum: int) -> str:
     """What holds up the smallest feasible budget `minimum` of `graph`: the
     persistent bytes and, when it weighs, the largest workspace of one call."""
     note = (f"Every plan keeps the {graph.total_persistent_bytes / 2**20:,.1f} MiB of "
             "weights, optimizer slots and batch.")
-    node = max(graph.nodes, key=lambda n: max(n.forward_workspace_bytes,
-                                              n.backward_workspace_bytes))
-    workspace = max(node.forward_workspace_bytes, node.backward_workspace_bytes)
+    node = max(graph.nodes, key=lambda n: max(_own_workspaces(n)))
+    workspace = max(_own_workspaces(node))
     if workspace < WORKSPACE_NOTE_FRACTION * minimum:
         return note
-    which = "backward" if workspace == node.backward_workspace_bytes else "forward"
+    which = "backward" if workspace == _own_workspaces(node)[1] else "forward"
     note += (f" The {which} pass of {node.id!r} ({node.class_name}) alone needs "
              f"{workspace / 2**20:,.1f} MiB beyond its inputs and outputs, which no plan "
              "lowers: a smaller batch does.")

@@ -194,6 +194,10 @@ class Schedule:
         self._largest_weights = max((n.param_bytes for n in graph), default=0) or 1
         self.overlap_updates = overlap_updates
         self._overlapping: list[tuple[list[Key], int]] = []
+        # Calls whose unit handed on its input gradients after its weight
+        # gradients (`update_in_backward`), as their backward passes end.
+        self._gated: set[str] = set()
+        self._ancestry: dict[tuple[str, str], bool] = {}
 
     # -- queries -------------------------------------------------------------
 
@@ -382,6 +386,7 @@ class Schedule:
                     self._use(key, len(self.labels) - 1)
                 if top:
                     self._update_unit(self._unit_grads, len(self.labels) - 1)
+                    self._gated.update(key[1] for key in self._unit_grads)
                     self._unit_layers, self._unit_grads = None, []
             elif self.requires_grad[unit.id]:
                 self._backward_node(unit, ctx)
@@ -470,8 +475,36 @@ class Schedule:
                 if r.rsplit(":", 1)[0] not in inside]
         return [ctx.resolve(r) for r in dict.fromkeys(refs)]
 
+    def _backward_workspace(self, node: Node) -> int:
+        """`node`'s backward workspace, without the scratch of another call's
+        kernel (`Node.backward_carried_bytes`) when that call's unit has handed
+        on its input gradients only once its weight gradients existed (updates
+        in the backward pass, a pinned order) and `node` is before it: its
+        backward starts after that kernel ended. Measured on a Sequential CNN
+        (three 3x3 convolutions of 64 channels at 64 and 32 px, batch 16): 137.9
+        MiB plain (the largest of 30 steps), 92.2-93.1 with updates in the
+        backward pass or a pinned order; predicted 130.2 for all three before,
+        96.4 for the last two now."""
+        source = node.backward_carried_from
+        if source in self._gated and self._before(node.id, source):
+            return node.backward_workspace_bytes - node.backward_carried_bytes
+        return node.backward_workspace_bytes
+
+    def _before(self, node_id: str, later: str) -> bool:
+        """Whether `node_id` is an ancestor of `later` in the forward graph."""
+        key = (node_id, later)
+        if key not in self._ancestry:
+            seen, todo = {later}, [later]
+            while todo and node_id not in seen:
+                for p in self.graph.predecessors(todo.pop()):
+                    if p not in seen:
+                        seen.add(p)
+                        todo.append(p)
+            self._ancestry[key] = node_id in seen
+        return self._ancestry[key]
+
     def _backward_node(self, node: Node, ctx: "_Context") -> None:
-        step = self._step(f"bwd {node.id}", node.backward_workspace_bytes,
+        step = self._step(f"bwd {node.id}", self._backward_workspace(node),
                           node_seconds(node, self.device_flops)[1])
         self.backward_step[node.id] = step
         incoming: Key | None = None  # the output's gradient, when one buffer
@@ -517,6 +550,7 @@ class Schedule:
                 self._unit_grads.append(key)  # updated after its segment's backward
             else:
                 self._update_unit([key], step)
+                self._gated.add(node.id)
 
     def _own_layers(self, segment: Segment) -> set[str]:
         """The layers every call of which is inside `segment`."""
