@@ -15,6 +15,7 @@ from tests.fresh import run_fresh
 from tests.marks import needs_graphviz
 from tfremat.callbacks import planner as planner_module
 from tfremat.core import MIB
+from tfremat.planners import min_feasible_budget
 from tfremat.rewriter import install as install_module
 from tfremat.demo import resnet_style
 
@@ -977,6 +978,11 @@ def test_the_trials_of_a_plan_that_measured_over_the_budget_are_said_once(monkey
 def test_the_planner_says_when_measuring_stopped_at_its_time_limit(monkeypatch):
     x, y = data(2)
     measured = []
+    # 40 MiB, or just above the lowest plan where a filter gradient's scratch
+    # (~30 MiB at any size with TensorFlow's own CPU kernels) puts it higher.
+    lowest = min_feasible_budget(tfremat.extract(make_model(), batch_size=BATCH),
+                                 offload=False) / MIB
+    budget = max(40.0, lowest + 0.1)
 
     class OverBudget:
         """Every trial measures twice the budget."""
@@ -986,10 +992,10 @@ def test_the_planner_says_when_measuring_stopped_at_its_time_limit(monkeypatch):
 
         def measure_peak(self, **kwargs):
             measured.append(self.plan)
-            return int(2 * 40 * 2**20)
+            return int(2 * budget * MIB)
 
     monkeypatch.setattr(planner_module.api, "PlanInstallation", OverBudget)
-    planner = tfremat.Planner(40, verbose=0, replan=False, measure_time_limit=1e-6)
+    planner = tfremat.Planner(budget, verbose=0, replan=False, measure_time_limit=1e-6)
     with pytest.warns(RuntimeWarning, match=r"time limit of 1e-06 s \(measure_time_limit\)"):
         make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
     assert len(measured) == 1  # the first plan only

@@ -73,8 +73,15 @@ def test_a_model_made_in_a_strategy_scope_is_planned_outside_it():
     with strategy.scope(), pytest.raises(tfremat.UnsupportedModelError,
                                          match="Plan outside `strategy.scope"):
         tfremat.plan(model, budget_mb=1000, batch_size=8)
+    from tfremat.planners import min_feasible_budget
+
     graph = tfremat.extract(model, batch_size=8)
-    budget = 0.9 * tfremat.simulate(graph).peak_mb
+    # 90% of the plain peak, or halfway from the lowest plan's peak where that
+    # is higher (a filter gradient's scratch, ~30 MiB at any size with
+    # TensorFlow's own CPU kernels, is most of this model's peak).
+    plain = tfremat.simulate(graph).peak_bytes
+    lowest = min_feasible_budget(graph, offload=False, update_in_backward=False)
+    budget = max(0.9 * plain, (lowest + plain) / 2) / 2**20
     plan = tfremat.plan(model, budget_mb=budget, graph=graph)
     assert plan.segments and plan.estimates.peak_mb <= budget
     assert not model.optimizer.built

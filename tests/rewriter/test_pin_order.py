@@ -18,6 +18,7 @@ from tests.setups.models import Block
 from tfremat import api as tfremat_api
 from tfremat.core import Plan
 from tfremat.graph import step_function
+from tfremat.planners import min_feasible_budget
 from tfremat.rewriter import PlanInstallation
 from tfremat.simulation import build_schedule
 
@@ -283,8 +284,10 @@ def test_a_pinned_plan_is_predicted_with_each_units_update_right_after_its_backw
     assert pinned.peak_bytes == tfremat.simulate(graph, pinned).peak_bytes
     as_updates = dataclasses.replace(pinned, pin_order=False, update_in_backward=True)
     assert graph.update_early_bytes > 0
+    # Counted in the bytes asked for: the allocator's chunks round the early
+    # ops' 8.3 KiB up to 9 KiB.
     one_at_a_time = dataclasses.replace(
-        graph, metadata={**graph.metadata, "concurrent_ops": False})
+        graph, metadata={**graph.metadata, "concurrent_ops": False, "allocator": None})
     no_early = dataclasses.replace(one_at_a_time, update_early_bytes=0)
     assert tfremat.simulate(no_early, dataclasses.replace(pinned, estimates=None)).peak_bytes \
         == tfremat.simulate(no_early, as_updates).peak_bytes
@@ -371,6 +374,17 @@ def test_a_pinned_plans_updates_wait_for_the_input_gradients_that_read_the_weigh
             assert reads, (layer, update.name)
 
 
+def tight_budget_mb(graph) -> float:
+    """80% of `graph`'s predicted plain peak, or, when no unpinned plan reaches
+    that, halfway from the lowest one's peak up to the plain peak: with
+    TensorFlow's own CPU kernels (oneDNN off, as on CPUs without AVX-512) a 3x3
+    filter gradient's scratch is ~30 MiB at any size, most of this small
+    model's peak (the lowest plan 55.1 MiB against 56.4 plain)."""
+    plain = tfremat.simulate(graph).peak_bytes
+    lowest = min_feasible_budget(graph, update_in_backward=False, offload=False)
+    return max(0.8 * plain, (lowest + plain) / 2) / 2**20
+
+
 def test_auto_on_a_cpu_pins_a_plan_and_leaves_a_step_that_fits():
     """`pin_order="auto"` pins on a CPU to keep a plan's saving; a step
     predicted to fit unpinned has none, and is left as written."""
@@ -380,7 +394,7 @@ def test_auto_on_a_cpu_pins_a_plan_and_leaves_a_step_that_fits():
     roomy = tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward=False)
     assert roomy.is_empty, roomy
     assert roomy.peak_bytes == tfremat.simulate(graph).peak_bytes
-    tight = tfremat.plan(model, plain * 0.8, graph=graph, update_in_backward=False)
+    tight = tfremat.plan(model, tight_budget_mb(graph), graph=graph, update_in_backward=False)
     assert tight.segments and tight.pin_order, tight
     # Asked for, the pin stays whatever the budget.
     assert tfremat.plan(model, plain * 1.1, graph=graph, update_in_backward=False,
@@ -397,7 +411,7 @@ def test_auto_does_not_pin_on_a_gpu_but_does_in_a_multi_worker_scope(monkeypatch
     assert tfremat_api.pinned(True, compiled)
     model = cnn()
     graph = tfremat.extract(model, batch_size=BATCH)
-    tight = 0.8 * tfremat.simulate(graph).peak_mb
+    tight = tight_budget_mb(graph)
     on_cpu = tfremat.plan(model, tight, graph=graph, update_in_backward=False)
     monkeypatch.setattr(tfremat_api, "device_name", lambda: "GPU:0")
     on_gpu = tfremat.plan(model, tight, graph=graph, update_in_backward=False)

@@ -15,6 +15,7 @@ import tfremat
 from tests.fresh import run_fresh
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import BudgetError, Segment
+from tfremat.planners import min_feasible_budget
 from tfremat.rewriter import rewrite_model, unit_layers, unwrapped
 from tfremat.simulation import simulate
 
@@ -173,7 +174,12 @@ def test_a_rewritten_model_saved_and_loaded_is_planned_as_the_model_it_was_rewri
     original = tfremat.extract(model, sample=(x, y), measure_kernels=False)
     assert [(n.id, n.class_name) for n in fits.graph] == \
         [(n.id, n.class_name) for n in original]
-    budget = 0.85 * simulate(fits.graph).peak_bytes / 2**20
+    # 85% of the plain peak, or halfway from the lowest plan's peak where that
+    # is higher (a filter gradient's scratch, ~30 MiB at any size with
+    # TensorFlow's own CPU kernels, is most of this model's peak).
+    plain = simulate(fits.graph).peak_bytes
+    lowest = min_feasible_budget(fits.graph, offload=False, update_in_backward=False)
+    budget = max(0.85 * plain, (lowest + plain) / 2) / 2**20
     plan = tfremat.plan(loaded, budget, graph=fits.graph)
     assert plan.segments and plan.peak_bytes <= budget * 2**20
     again = tfremat.rewrite(loaded, plan)
