@@ -483,8 +483,8 @@ class Schedule:
         backward starts after that kernel ended. Measured on a Sequential CNN
         (three 3x3 convolutions of 64 channels at 64 and 32 px, batch 16): 137.9
         MiB plain (the largest of 30 steps), 92.2-93.1 with updates in the
-        backward pass or a pinned order; predicted 130.2 for all three before,
-        96.4 for the last two now."""
+        backward pass or a pinned order; predicted 129.8-130.2 for each before,
+        96.0-96.3 for those two now."""
         source = node.backward_carried_from
         if source in self._gated and self._before(node.id, source):
             return node.backward_workspace_bytes - node.backward_carried_bytes
