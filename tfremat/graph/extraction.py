@@ -731,11 +731,15 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             [i for i in fwd_pos if i not in early], flow,
             lambda r: r not in out_roots and r not in saved_roots)
         carried, carried_from = overlapping.get(site.id, (0, ""))
-        backward_ws, backward_alone = (max(_peak_of_temporaries(
-            order, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
-            carried=scratch, off_chain=off_chain)
-            for order in (bwd_pos, _ready_first(bwd_pos, flow)))
-            for scratch in (carried, 0))
+        orders = (bwd_pos, _ready_first(bwd_pos, flow))
+
+        def backward_peak(scratch: int) -> int:
+            return max(_peak_of_temporaries(
+                order, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
+                carried=scratch, off_chain=off_chain) for order in orders)
+
+        backward_ws = backward_peak(carried)
+        backward_alone = backward_peak(0) if carried else backward_ws
         saved_apart = _saved_apart(fwd_set, out_roots, saved_inside[site.id], flow)
         saved_flops = (_saved_flops(fwd_set, saved_inside[site.id], flow)
                        if saved_apart else 0.0)
