@@ -1,7 +1,7 @@
 """One training process for tests/callbacks/test_planner_faults.py.
 
 `python -m tests.callbacks.backup_worker DIR [--planner] [--kill-at N]` trains a
-small CNN with `keras.callbacks.BackupAndRestore(DIR/backup, save_freq=SAVE_FREQ)`
+small CNN in float64 with `keras.callbacks.BackupAndRestore(DIR/backup, save_freq=SAVE_FREQ)`
 (and a `tfremat.Planner` under 70% of the predicted plain peak with
 `--planner`). With `--kill-at N` the process SIGKILLs itself right after global
 step N. It writes into DIR: `backup_step.npz` (weights at the last backup
@@ -33,12 +33,16 @@ def main() -> None:
     parser.add_argument("--planner", action="store_true")
     parser.add_argument("--kill-at", type=int)
     args = parser.parse_args()
+    # In float64 the rewritten graph's other summation order rounds 1e-16 of a
+    # value away, too little to move a ReLU's input across zero: the runs
+    # with and without the Planner stay apart only by that rounding.
+    keras.config.set_floatx("float64")
     keras.utils.set_random_seed(0)
     model = resnet_style(image_size=32, width=8, blocks=(2,))
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                   loss="categorical_crossentropy")
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH * STEPS, 32, 32, 3)).astype("float32")
+    x = rng.standard_normal((BATCH * STEPS, 32, 32, 3))
     y = keras.utils.to_categorical(rng.integers(0, 10, BATCH * STEPS), 10)
     out = args.dir
 
