@@ -655,13 +655,14 @@ def test_an_unbuilt_subclassed_model_is_built_from_the_first_batch():
     model = BlocksNet()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     assert not model.built
-    # Binding: the plain step is predicted at 8.5 MiB, the lowest plan at 7.5.
-    # measure=False plans by the prediction alone: measured, the plans of so
-    # small a step may be no lower than the plain step, and a measuring
+    # Binding: the plain step is predicted at 8.0 MiB (8.5 before its fused
+    # activations' outputs were freed inside their backward), the lowest plan
+    # at 6.0. measure=False plans by the prediction alone: measured, the plans
+    # of so small a step may be no lower than the plain step, and a measuring
     # Planner may then rightly train without one.
-    planner = tfremat.Planner(8.0, verbose=0, measure=False)
+    planner = tfremat.Planner(7.0, verbose=0, measure=False)
     hist = model.fit(x, y, batch_size=512, verbose=0, shuffle=False, callbacks=[planner])
-    assert tfremat.simulate(planner.graph).peak_mb > 8.0 and not planner.plan.is_empty
+    assert tfremat.simulate(planner.graph).peak_mb > 7.0 and not planner.plan.is_empty
     np.testing.assert_allclose(hist.history["loss"], plain_hist.history["loss"], rtol=1e-5)
 
 

@@ -250,3 +250,35 @@ def test_xla_compiled_grouped_convolution_gradient_scratch_is_measured():
     dense_kernel = 7 * 7 * 256 * 256 * 4
     assert facts["scratch"] >= dense_kernel > 10 * facts["bare"], facts
     assert abs(facts["predicted"] / facts["measured"] - 1) < 0.10, facts
+
+
+_CHUNK_HANDED_WHOLE = r"""
+import json
+import tensorflow as tf
+import tfremat
+from tfremat.graph.kernels import _peak_above_current, _scratch_bytes
+
+asked = 32 << 20
+
+def run():  # a kernel with `asked` bytes of scratch
+    return tf.reduce_max(tf.ones([asked // 4], tf.float32))
+
+with tf.device("CPU:0"):
+    # A fresh allocator: 1 MiB takes the first 2 MiB region whole, 48 MiB a
+    # 64 MiB region whole, and the last 1 MiB leaves 63 MiB free in the next
+    # region, which `asked` (under half of it) would get whole.
+    held = [tf.ones([1 << 20], tf.uint8), tf.ones([48 << 20], tf.uint8),
+            tf.ones([1 << 20], tf.uint8)]
+    run()
+    once = _peak_above_current(run, "CPU:0")
+    scratch = _scratch_bytes(run, "CPU:0")
+print(json.dumps({"asked": asked, "once": once, "scratch": scratch}))
+"""
+
+
+def test_scratch_is_read_as_asked_for_not_as_the_free_chunk_it_was_handed():
+    """The allocator hands a free chunk under twice a request out whole; the
+    measurement reads the request, not that chunk."""
+    facts = run_fresh(_CHUNK_HANDED_WHOLE, TF_CPU_ALLOCATOR_USE_BFC="1")
+    assert facts["once"] > 1.5 * facts["asked"], facts  # one run read the chunk
+    assert facts["asked"] <= facts["scratch"] < facts["asked"] + (64 << 10), facts

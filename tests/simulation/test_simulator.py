@@ -6,6 +6,7 @@ import pytest
 
 from tfremat import Node, Plan, PlanGraph, Segment, TensorInfo, simulate
 from tfremat.core import PlanMismatchError
+from tfremat.simulation import build_schedule
 
 MB = 2**20
 
@@ -370,3 +371,33 @@ def test_duplicate_of_must_name_an_earlier_output_of_the_same_size():
         PlanGraph(nodes, outputs=["sum:0"])
     g = branches_graph(True)
     assert PlanGraph.from_json(g.to_json()).node("r2").duplicate_of == ["r1:0"]
+
+
+def fused_conv_chain(released: bool) -> PlanGraph:
+    """Two calls with an activation fused in: each backward reads its input
+    and its own output (4 MiB each) and holds 8 MiB of workspace."""
+    def conv(name: str, source: str) -> Node:
+        own = f"{name}:0"
+        return Node(name, name, "Conv2D", [f"{source}:0"], [t(4)],
+                    backward_reads=[f"{source}:0", own],
+                    backward_reads_released=[own] if released else [],
+                    backward_workspace_bytes=8 * MB, param_bytes=1024,
+                    flops_forward=10.0, flops_backward=20.0)
+    return asked_for(PlanGraph([Node("in", "in", "InputLayer", [], [t(4)]),
+                                conv("c1", "in"), conv("c2", "c1")], outputs=["c2:0"]))
+
+
+def test_an_output_only_the_first_backward_ops_read_is_freed_before_the_workspace():
+    # c2's backward: its activation's gradient reads c2's output and writes
+    # into the incoming gradient; then the convolution's gradients allocate
+    # the workspace and c1's output gradient, c2's output gone.
+    held, released = simulate(fused_conv_chain(False)), simulate(fused_conv_chain(True))
+    assert held.peak_step == released.peak_step == "bwd c2"
+    assert held.peak_bytes - released.peak_bytes == 4 * MB
+    labels = [label for label, _ in released.timeline]
+    assert labels.index("bwd c2 (first ops)") == labels.index("bwd c2") - 1
+    # c1's output, which c2's convolution gradient reads, is not released
+    # there: it lives until c1's first backward ops.
+    schedule = build_schedule(fused_conv_chain(True))
+    assert schedule.last_use[schedule.key_of("c1:0")] == schedule.backward_step["c1"] - 1
+

@@ -79,6 +79,12 @@ class Node:
         outputs: The call's output tensors.
         backward_reads: Tensor references (own outputs or inputs) that the
             backward pass of this call reads, so they stay alive until it runs.
+        backward_reads_released: Those of `backward_reads` that only the first
+            ops of the backward pass read, which everything it allocates waits
+            for (a fused activation's gradient reading the call's output):
+            where the call is their last reader, they are freed before its
+            workspace and input gradients exist. Empty in graphs saved before
+            it was recorded.
         internal_saved_bytes: Bytes of tensors made inside the call, other than its
             outputs, that its backward pass keeps (e.g. BatchNorm's normalised value).
         internal_saved_pieces: How many buffers hold `internal_saved_bytes`, taken
@@ -149,6 +155,7 @@ class Node:
     inputs: list[str]
     outputs: list[TensorInfo]
     backward_reads: list[str] = dataclasses.field(default_factory=list)
+    backward_reads_released: list[str] = dataclasses.field(default_factory=list)
     internal_saved_bytes: int = 0
     internal_saved_pieces: int = 1
     forward_workspace_bytes: int = 0

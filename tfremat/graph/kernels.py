@@ -6,9 +6,9 @@ and outputs. With TensorFlow's own CPU kernels (oneDNN off), a 3x3
 a backward pass of a CNN reaches it at every convolution; on a GPU, cuDNN's
 workspaces go through the same allocator. The graph has no trace of them, so
 each distinct heavy op of the step (type, input shapes and dtypes, attributes)
-is run once alone on the budgeted device, on zeros, and its scratch is read from
+is run alone on the budgeted device, on zeros, and its scratch is read from
 the allocator: the peak while it runs minus what is in use once it returned
-(its inputs and outputs).
+(its inputs and outputs), the median of three runs (`_scratch_bytes`).
 
 Ops that cannot run alone are left out: stateful ops, ops on resources or
 variants, ops calling functions (loops, conditionals) and ops whose integer
@@ -141,16 +141,42 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
 
 def _scratch_bytes(run: Any, device: str) -> int | None:
     """Peak bytes in use while `run()` runs, beyond what it leaves in use;
-    None if it does not run. `run` is called twice: the first call makes the
-    first-use allocations (and compiles, for XLA)."""
+    None if it does not run. `run` is called once first: that call makes the
+    first-use allocations (and compiles, for XLA).
+
+    The allocator counts chunks, and what one run reads depends on the chunks
+    free then: a free chunk under twice a request is handed out whole (46.0
+    MiB read for a `Conv2DBackpropFilter` that asked for 30.4, whose chunk in
+    the step was 32.0), and an output handed a larger chunk lowers the read
+    (24.5 MiB for an XLA call that read 32.0 twice and held 33.7 in the
+    step). The run is repeated twice more, each time holding one more block
+    of three quarters of what the last run read, which takes the chunk it got
+    (or another that would be handed out whole) away from it; the median of
+    the three reads counts.
+    """
+    held = []
+    reads: list[int] = []
     try:
         run()
-        tf.config.experimental.reset_memory_stats(device)
-        outputs = run()
-        info = tf.config.experimental.get_memory_info(device)
-        del outputs
+        for _ in range(3):
+            if reads:
+                if not reads[-1]:
+                    return 0
+                held.append(tf.zeros([reads[-1] * 3 // 4], tf.uint8))
+            reads.append(_peak_above_current(run, device))
     except (tf.errors.OpError, TypeError, ValueError):
         return None
+    finally:
+        del held
+    return sorted(reads)[1]
+
+
+def _peak_above_current(run: Any, device: str) -> int:
+    """Peak bytes in use while `run()` runs, beyond what is in use after it."""
+    tf.config.experimental.reset_memory_stats(device)
+    outputs = run()
+    info = tf.config.experimental.get_memory_info(device)
+    del outputs
     return max(0, int(info["peak"] - info["current"]))
 
 

@@ -78,9 +78,10 @@ def _peak_index(est: Estimate) -> int:
 
 
 def _node_of(label: str) -> str | None:
-    """The layer call a step label names (`"bwd X"`, `"fwd X (recompute 1)"`)."""
+    """The layer call a step label names (`"bwd X"`, `"fwd X (recompute 1)"`,
+    `"bwd X (first ops)"`)."""
     if label.startswith(("bwd ", "fwd ")):
-        return label[4:].split(" (recompute", 1)[0]
+        return label[4:].split(" (", 1)[0]
     return None
 
 

@@ -280,12 +280,16 @@ class Schedule:
         if early is not None:
             self._use(early, step)
 
-    def _step(self, label: str, transient: int = 0, seconds: float = 0.0) -> int:
+    def _step(self, label: str, transient: int = 0, seconds: float = 0.0,
+              updates_beside: bool = True) -> int:
+        """Appends a step; the updates waiting to run beside the next step
+        (`overlap_updates`) count in it unless `updates_beside` is False (the
+        first ops of a backward step, too short for them)."""
         self.labels.append(label)
         self.transient.append(transient)
         self.seconds.append(seconds)
         step = len(self.labels) - 1
-        if self._overlapping:  # updates running beside this step
+        if self._overlapping and updates_beside:  # updates running beside this step
             for grads, workspace in self._overlapping:
                 self.transient[step] += workspace
                 for key in grads:
@@ -504,21 +508,31 @@ class Schedule:
         return self._ancestry[key]
 
     def _backward_node(self, node: Node, ctx: "_Context") -> None:
+        released = set(node.backward_reads_released)
+        first = None
+        if released:  # its first ops, which read them and allocate nothing
+            first = self._step(f"bwd {node.id} (first ops)", updates_beside=False)
+            for ref in released:
+                self._use(ctx.resolve(ref), first)
         step = self._step(f"bwd {node.id}", self._backward_workspace(node),
                           node_seconds(node, self.device_flops)[1])
         self.backward_step[node.id] = step
         incoming: Key | None = None  # the output's gradient, when one buffer
+        at = step if first is None else first
         for i, t in enumerate(node.outputs):
             parts = self.partials.pop(node.output_ref(i), [])
             for key in parts:
-                self._use(key, step)
+                self._use(key, at)
             if len(parts) > 1:  # AddN of the partial gradients
                 incoming = ("grad-sum", node.output_ref(i))
-                self._alloc(incoming, t.bytes, step)
+                self._alloc(incoming, t.bytes, at)
             elif parts:
                 incoming = parts[0]
+            if parts:  # the first ops write into it what the rest reads
+                self._use(incoming, step)
         for ref in node.backward_reads:
-            self._use(ctx.resolve(ref), step)
+            if ref not in released:
+                self._use(ctx.resolve(ref), step)
         saved = ctx.saved.get(node.id)
         if saved is not None:
             self._use(saved, step)
