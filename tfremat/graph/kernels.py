@@ -154,7 +154,7 @@ def _scratch_bytes(run: Any, device: str) -> int | None:
     (or another that would be handed out whole) away from it; the median of
     the three reads counts.
     """
-    held = []
+    held: list[tf.Tensor] = []
     reads: list[int] = []
     try:
         run()

@@ -17,7 +17,11 @@ once its gradient exists (its workspace counts there) and frees the gradient
 `GRADIENT_LIFETIME_STEPS` later. What the update computes before any gradient
 (`PlanGraph.update_early_bytes`) lives from the first step until its
 gradient is freed; with updates in the backward pass it waits for the unit's
-gradients like the rest of the update, and counts in the unit's update. Every
+gradients like the rest of the update, and counts in the unit's update. A
+call's backward reads that only its first backward ops read
+(`Node.backward_reads_released`, a fused activation's output) are read at a
+step of their own before its backward step, so they can be freed before its
+workspace and input gradients exist. Every
 buffer is recorded with the step that makes it and the steps that read it;
 `simulator.py` turns that into memory, and `transfers.py` turns the step
 times into a timeline with host copies.
@@ -129,7 +133,8 @@ class Schedule:
 
     Attributes:
         graph: The PlanGraph.
-        labels: Label of each step, e.g. `"fwd conv1"`, `"bwd conv1"`, `"loss"`.
+        labels: Label of each step, e.g. `"fwd conv1"`, `"bwd conv1 (first ops)"`,
+            `"bwd conv1"`, `"loss"`.
         seconds: Compute time of each step (`transfers.node_seconds`); the loss
             and the optimizer update count 0.
         transient: Transient workspace bytes of each step.
