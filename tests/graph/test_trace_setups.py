@@ -37,6 +37,10 @@ def two_heads() -> keras.Model:
 
 
 def assert_same_graph(got: tfremat.PlanGraph, want: tfremat.PlanGraph) -> None:
+    """The same nodes, reads, FLOPs and simulated peak. Compare graphs extracted
+    with `measure_kernels=False`: the kernels' scratch, read on the allocator,
+    moves by up to a few tenths of a percent between two extractions of one
+    compile (64.0 against 64.2 MiB predicted for the conv stack in CI)."""
     assert [n.id for n in got] == [n.id for n in want]
     for n, m in zip(got, want):
         assert n.backward_reads == m.backward_reads, n.id
@@ -51,7 +55,7 @@ def assert_same_graph(got: tfremat.PlanGraph, want: tfremat.PlanGraph) -> None:
 def bare_conv_graph() -> tfremat.PlanGraph:
     model = conv_stack()
     model.compile(optimizer="adam", loss="categorical_crossentropy")
-    graph = tfremat.extract(model, batch_size=4)
+    graph = tfremat.extract(model, batch_size=4, measure_kernels=False)
     # The bare graph itself is sound: convolutions read their inputs, ReLUs
     # their outputs, and their gradients cost FLOPs.
     assert graph.node("conv1").backward_reads == ["relu0:0"]
@@ -64,14 +68,16 @@ def test_metrics_give_the_bare_graph(bare_conv_graph):
     model = conv_stack()
     model.compile(optimizer="adam", loss="categorical_crossentropy",
                   metrics=["accuracy", keras.metrics.AUC()])
-    assert_same_graph(tfremat.extract(model, batch_size=4), bare_conv_graph)
+    assert_same_graph(tfremat.extract(model, batch_size=4, measure_kernels=False),
+                      bare_conv_graph)
 
 
 def test_an_unbuilt_optimizer_gives_the_bare_graph(bare_conv_graph):
     model = conv_stack()
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="categorical_crossentropy")
     assert not model.optimizer.built
-    assert_same_graph(tfremat.extract(model, batch_size=4), bare_conv_graph)
+    assert_same_graph(tfremat.extract(model, batch_size=4, measure_kernels=False),
+                      bare_conv_graph)
 
 
 def test_planning_leaves_an_unbuilt_optimizer_unbuilt_so_a_layer_unfrozen_later_trains():
@@ -130,17 +136,18 @@ def test_a_model_loaded_from_keras_file_gives_the_bare_graph(bare_conv_graph, tm
     model.save(tmp_path / "m.keras")
     keras.backend.clear_session()
     loaded = keras.models.load_model(tmp_path / "m.keras")
-    assert_same_graph(tfremat.extract(loaded, batch_size=4), bare_conv_graph)
+    assert_same_graph(tfremat.extract(loaded, batch_size=4, measure_kernels=False),
+                      bare_conv_graph)
 
 
 def test_a_dict_of_weighted_losses_gives_the_bare_graph():
     bare = two_heads()
     bare.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
-    want = tfremat.extract(bare, batch_size=4)
+    want = tfremat.extract(bare, batch_size=4, measure_kernels=False)
     model = two_heads()
     model.compile(optimizer="sgd", loss={"a": "mse", "b": "mean_absolute_error"},
                   loss_weights={"a": 1.0, "b": 0.5}, metrics={"a": ["mae"]})
-    got = tfremat.extract(model, batch_size=4)
+    got = tfremat.extract(model, batch_size=4, measure_kernels=False)
     assert_same_graph(got, want)
     # Its kernel gradient reads the input; tanh keeps its output.
     assert got.node("b").backward_reads == ["b:0", "trunk:0"]
@@ -151,9 +158,7 @@ def test_metrics_leave_room_for_a_plan():
     predicted peak fell far below the measured one, and the plan was empty."""
     model = conv_stack(size=32, channels=32)
     model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
-    # Tensors only: the kernels' scratch, measured on the allocator, moves by a few
-    # percent from one extraction to the next in one process (40.5-41.4 MB predicted
-    # for the same compile), which is not what this test is about.
+    # Tensors only (see `assert_same_graph`).
     graph = tfremat.extract(model, batch_size=8, measure_kernels=False)
     plain = conv_stack(size=32, channels=32)
     plain.compile(optimizer="adam", loss="categorical_crossentropy")
