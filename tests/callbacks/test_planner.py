@@ -1022,35 +1022,51 @@ if GIVEN == "generator":  # whose steps fit this budget: say they do not
     ).prefetch(2),)
 else:
     data = (x, y)
+begin = []
+class AtBegin(keras.callbacks.Callback):  # the allocator's bytes in use as fit begins
+    def on_train_begin(self, logs=None):
+        begin.append(tf.config.experimental.get_memory_info("CPU:0")["current"] / 2**20)
 planner = tfremat.Planner(budget, verbose=0, measure=False, replan=False)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     make_model().fit(*data, batch_size=BATCH if len(data) == 2 else None, epochs=1,
-                     verbose=0, callbacks=[planner])
-print(json.dumps([str(w.message) for w in caught if "tfremat" in str(w.message)]))
+                     verbose=0, callbacks=[AtBegin(), planner])
+print(json.dumps({"begin_mb": begin[0],
+                  "said": [str(w.message) for w in caught if "tfremat" in str(w.message)]}))
 """
 
 
 @pytest.mark.parametrize("given", ["arrays", "generator"])
 def test_on_cpu_a_warning_names_what_the_input_pipeline_holds(given):
-    """fit on NumPy arrays holds them whole in CPU:0's allocator, beside every
-    step (a CNN's steps measured 258-295 MiB so, 242-244 fed by a generator); a
-    warning says so before the first step, and again when the budget is not
-    met, when that is a tenth of the budget or more, and not otherwise. In a
+    """fit on NumPy arrays mostly holds them whole in CPU:0's allocator, beside
+    every step (a CNN's steps measured 258-295 MiB so, 242-244 fed by a
+    generator); a warning says so before the first step, and again when the
+    budget is not met, when that is a tenth of the budget or more, and not
+    otherwise. TensorFlow copies a NumPy array given to fit into the allocator
+    in most runs, not all (the 20 MiB one here was not in it in about one fresh
+    run of four, nor in 2 of 12 conversions in one process): a run without it
+    must not warn, and the arrays are given up to three runs to be held. In a
     fresh process: the allocator is the process's, and earlier tests leave
     tensors in it."""
-    said = run_fresh(f"GIVEN = {given!r}\n" + _PIPELINE_WARNING)
-    over = [m for m in said if "exceeds the budget" in m]
-    assert over, said
-    before = [m for m in said if m.startswith("tfremat: before the first step")]
-    if given == "arrays":
+    def warnings_of_a_fresh_run() -> tuple[dict, list[str], list[str]]:
+        run = run_fresh(f"GIVEN = {given!r}\n" + _PIPELINE_WARNING)
+        before = [m for m in run["said"] if m.startswith("tfremat: before the first step")]
+        return run, before, [m for m in run["said"] if "exceeds the budget" in m]
+
+    for _ in range(3 if given == "arrays" else 1):
+        run, before, over = warnings_of_a_fresh_run()
+        if given == "generator" or run["begin_mb"] < 20.0:  # nothing held
+            assert not before and not any("input pipeline" in m for m in over), run
+            continue
         noted = [m for m in over if "input pipeline" in m]
-        assert noted and before, said
+        assert noted and before, run
         for text, pattern in ((before[0], "before the first step"), (noted[0], "Between steps")):
             held = float(re.search(pattern + r" ([\d.]+) MiB more", text).group(1))
             assert held >= 20.0, text  # the arrays, at least
-    else:
-        assert not before and not any("input pipeline" in m for m in over), said
+        return
+    if given == "arrays":
+        pytest.fail("the arrays were not in the allocator in three fresh runs")
+    assert over, run  # the generator's steps, said to be over the budget
 
 
 def test_a_model_without_trainable_weights_trains_as_keras_trains_it():

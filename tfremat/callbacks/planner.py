@@ -37,8 +37,8 @@ PARTIAL_STEP = (
 #: What is in use beside the model on CPU: the end of the `Planner`'s notes on it.
 HELD = ("than the model's weights, optimizer slots and batch are in use: on CPU, tensors "
         "the program keeps elsewhere and the input pipeline's share the allocator (NumPy "
-        "arrays given to fit, or to from_tensor_slices, are held there whole; a dataset "
-        "read from files or a generator holds the batches in flight: "
+        "arrays given to fit, or to from_tensor_slices, are mostly held there whole; a "
+        "dataset read from files or a generator holds the batches in flight: "
         "docs/troubleshooting.md)")
 
 
@@ -48,11 +48,12 @@ class Planner(keras.callbacks.Callback):
     At the first batch the callback traces one step with the real batch shape,
     plans what to recompute under the budget, measures the plan's step (and
     lower plans while it measures over the budget; `measure`), and makes THIS
-    `fit` train with the fastest plan that fits: the model's train function runs a rewritten graph sharing the same
-    layers and weights. The model object keeps its identity, weights, optimizer,
-    loss and metrics, and is exactly the model you had once `fit` returns, also
-    when a step raises or you press Ctrl-C (predict, evaluate, save and a plain
-    `fit` then behave as if it never saw the callback).
+    `fit` train with the fastest plan that fits: the model's train function runs
+    a rewritten graph sharing the same layers and weights. The model object
+    keeps its identity, weights, optimizer, loss and metrics, and is exactly the
+    model you had once `fit` returns, also when a step raises or you press
+    Ctrl-C (predict, evaluate, save and a plain `fit` then behave as if it never
+    saw the callback).
 
     At each epoch end it adds `peak_memory_mb` (measured device peak of the
     epoch's training steps: not validation, nor what other callbacks do between
@@ -769,12 +770,11 @@ class Planner(keras.callbacks.Callback):
             return e.min_budget_mb
 
 
-
 def _step_key(model: keras.Model, graph: PlanGraph) -> tuple:
     """What a plan for `model`'s step depends on: the layer calls and their
-    shapes (the inputs' too, so the batch size), the persistent bytes, which calls have trainable weights, the
-    optimizer's settings (the learning rate aside, which callbacks change
-    between fits) and XLA."""
+    shapes (the inputs' too, so the batch size), the persistent bytes, which
+    calls have trainable weights, the optimizer's settings (the learning rate
+    aside, which callbacks change between fits) and XLA."""
     optimizer = getattr(model, "optimizer", None)
     config = dict(optimizer.get_config()) if optimizer is not None else {}
     config.pop("learning_rate", None)
