@@ -237,7 +237,7 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
             weights (offload units and prefetch triggers aside) then updates
             its own weights in its gradient function.
         keep_class: Whether the new model is of `model`'s class when that
-            class has its own training methods (`_of_own_class`).
+            class has its own training methods (`of_own_class`).
 
     Returns:
         A new `keras.Model` with the same inputs structure and outputs
@@ -261,7 +261,7 @@ def rebuild(model: keras.Model, sites: Sequence[CallSite],
         rewritten = keras.Model(functional._inputs_struct,
                                 tree.pack_sequence_as(functional._outputs_struct, renamed),
                                 name=model.name + REWRITTEN_SUFFIX)
-    return _of_own_class(model, rewritten) if keep_class else rewritten
+    return of_own_class(model, rewritten) if keep_class else rewritten
 
 
 #: Methods by which a model's class decides how it trains, evaluates and predicts.
@@ -269,7 +269,7 @@ TRAINING_METHODS = ("train_step", "test_step", "predict_step", "compute_loss",
                     "compute_metrics")
 
 
-def _of_own_class(model: keras.Model, rewritten: keras.Model) -> keras.Model:
+def of_own_class(model: keras.Model, rewritten: keras.Model) -> keras.Model:
     """`rewritten` (a `keras.Model`), or its graph as an object of `model`'s
     class when that class has its own `TRAINING_METHODS` (a custom
     `train_step`, as Keras's guide to customizing `fit` makes them), so that

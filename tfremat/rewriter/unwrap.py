@@ -17,7 +17,7 @@ import keras
 from keras import tree
 
 from tfremat.graph import as_functional, is_subclassed
-from tfremat.rewriter.functional import REWRITTEN_SUFFIX, _of_own_class
+from tfremat.rewriter.functional import REWRITTEN_SUFFIX, of_own_class
 from tfremat.rewriter.offload_layers import GradientSignal, HostCopy, OffloadUnit
 from tfremat.rewriter.segment_layer import RecomputeSegment
 from tfremat.rewriter.submodel_layer import SubmodelLayer
@@ -80,7 +80,7 @@ def unwrapped(model: keras.Model, *, compiled: bool = False) -> keras.Model:
         lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, sparse=x.sparse,
                               name=_made_by(x)), functional._inputs_struct)
     outputs = functional._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call)
-    original = _of_own_class(model, keras.Model(
+    original = of_own_class(model, keras.Model(
         inputs, outputs, name=model.name.removesuffix(REWRITTEN_SUFFIX)))
     if compiled and model.compiled:
         original.compile(**_compile_arguments(model))
