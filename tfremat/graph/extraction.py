@@ -106,6 +106,8 @@ class _Dataflow:
         self.root: dict[_Root, _Root] = {}
         self.size: dict[_Root, int] = {}
         self.readers: dict[_Root, list[int]] = collections.defaultdict(list)
+        # `_written_in_place` of a call's backward ops, asked for three times.
+        self.homes: dict[tuple[int, ...], dict[_Root, _Root]] = {}
         for i in order:
             op = ops[i]
             for j in range(len(op.outputs)):
@@ -640,8 +642,11 @@ def _written_in_place(positions: list[int], flow: _Dataflow) -> dict[_Root, _Roo
     is written into: its own, or the buffer of an input of the same size that
     dies at its op, which an elementwise kernel (or one of
     `costs.FORWARDING_OPS`) takes over instead of allocating, followed down
-    the chain."""
-    homes: dict[_Root, _Root] = {}
+    the chain. Not to be changed: it is kept for the same `positions`."""
+    key = tuple(positions)
+    if key in flow.homes:
+        return flow.homes[key]
+    homes = flow.homes[key] = {}
     for p in positions:
         op = flow.ops[p]
         forwarding = costs.FORWARDING_OPS.get(op.type, {})
