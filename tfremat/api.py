@@ -303,23 +303,24 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             return fixed_plans(graph, like)
 
         try:
-            result = make(asked)
-        except BudgetError as e:
-            if not measure:
-                raise
-            result = measured_floor(model, e, make, batch_size=batch_size, sample=sample,
-                                    unplanned=bare, fixed=fixed,
-                                    time_limit=measure_time_limit)
-        else:
-            if measure:
-                try:
+            try:
+                result = make(asked)
+            except BudgetError as e:
+                if not measure:
+                    raise
+                result = measured_floor(model, e, make, batch_size=batch_size,
+                                        sample=sample, unplanned=bare, fixed=fixed,
+                                        time_limit=measure_time_limit)
+            else:
+                if measure:
                     result = measured_choice(model, result, make, batch_size=batch_size,
                                              sample=sample, max_trials=max_trials,
                                              unplanned=bare, fixed=fixed,
                                              time_limit=measure_time_limit, planner=planner)
-                except BudgetError as e:
-                    e.measured_plan.graph = graph
-                    raise
+        except BudgetError as e:
+            if e.measured_plan is not None:
+                e.measured_plan.graph = graph
+            raise
     result = chief_plan(result, graph)
     result.graph = graph
     return result
@@ -741,10 +742,14 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
         estimate details hold `"trials"`, as `measured_choice`'s).
 
     Raises:
-        BudgetError: it measures over the budget; the minimum stated is as
-            `measured_choice` states it (`error` itself when no plan
-            of that peak can be made). Raised without a `measured_plan`: the
-            budget is out of reach by prediction and measurement alike.
+        BudgetError: it measures over the budget; the minimum stated and
+            `.measured_plan` are as `measured_choice` states them (`error`
+            itself, without a `measured_plan`, when no plan of that peak can
+            be made). A `Planner` then trains with `.measured_plan`, as it
+            does when a plan predicted to fit measures over: whether `fit`
+            goes on does not hang on the prediction (a new user's LSTM,
+            predicted at 23 MiB and measured at 12.9, stopped `fit` over a
+            budget of 12.7 where a CNN 14% over went on).
     """
     try:
         lowest = make(error.min_budget_bytes, objective="memory")
@@ -756,12 +761,13 @@ def measured_floor(model: keras.Model, error: BudgetError, make: Callable[..., P
                        sample=sample, max_trials=1, unplanned=unplanned,
                        fixed=fixed, time_limit=time_limit, planner=error.planner)
     except BudgetError as measured:
-        raise BudgetError(
+        refused = BudgetError(
             error.budget_bytes, measured.min_budget_bytes, error.planner,
             f"{error.detail} The plan of lowest predicted peak "
             f"({error.min_budget_bytes / MIB:.1f} MiB) and plans near it were measured. "
-            f"{measured.detail}", measured=True
-        ) from None
+            f"{measured.detail}", measured=True)
+        refused.measured_plan = measured.measured_plan
+        raise refused from None
 
 
 def _key(plan: Plan) -> str:

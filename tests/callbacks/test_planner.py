@@ -145,26 +145,37 @@ def test_trains_under_budget_with_the_same_losses(tmp_path):
     assert keras.models.load_model(tmp_path / "m.keras").count_params() == model.count_params()
 
 
-def test_budget_below_minimum_states_it(budget_mb):
-    x, y = data(1)
+def test_a_budget_below_every_plan_states_the_measured_minimum_and_trains_the_lowest():
+    """Out of reach by prediction and by measurement, the budget is refused
+    with a warning and fit trains with the plan that measured lowest, as when
+    a plan predicted to fit measures over: a new user's LSTM stopped fit at a
+    budget 1.6% under its measured minimum (predicted far above) where a CNN
+    14% over went on, since whether fit went on hung on the prediction."""
+    x, y = data(2)
     model = make_model()
-    before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(tfremat.BudgetError, match="smallest feasible budget is") as err:
-        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[tfremat.Planner(1.0)])
-    assert err.value.min_budget_mb > 1.0
-    # Nothing trained, and the model still fits normally afterwards.
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-    assert model.train_function is None or "call" not in vars(model)
-    model.fit(x, y, batch_size=BATCH, verbose=0)
+    planner = tfremat.Planner(1.0, verbose=0, replan=False)
+    with pytest.warns(RuntimeWarning, match="(?s)smallest feasible budget is .* measured on "
+                      "the device.*This fit trains with the plan that measured lowest"):
+        history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    measured = planner.plan.estimates.details["measured_peak_bytes"]
+    assert measured > 1.0 * MIB and history.history["peak_memory_mb"]
+    assert planner.plan.budget_bytes == int(1.0 * MIB)
 
 
 def test_an_unmeasured_minimum_says_how_the_planner_measures():
     x, y = data(1)
+    model = make_model()
+    before = [w.copy() for w in model.get_weights()]
     with pytest.raises(tfremat.BudgetError, match="not measured") as err:
-        make_model().fit(x, y, batch_size=BATCH, verbose=0,
-                         callbacks=[tfremat.Planner(1.0, measure=False)])
+        model.fit(x, y, batch_size=BATCH, verbose=0,
+                  callbacks=[tfremat.Planner(1.0, measure=False)])
+    assert err.value.min_budget_mb > 1.0
     assert "Planner(..., measure=True) measures plans on the device" in str(err.value)
     assert "tfremat.plan(" not in str(err.value)
+    # Nothing trained, and the model still fits normally afterwards.
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert model.train_function is None or "call" not in vars(model)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
 def test_budget_that_fits_needs_no_rewrite(capsys):

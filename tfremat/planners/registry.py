@@ -133,10 +133,13 @@ def make_plan(graph: PlanGraph, budget_bytes: int, planner: str = "auto",
 def min_feasible_budget(graph: PlanGraph, planner: str = "auto", **settings: Any) -> int:
     """The smallest budget in bytes the planner meets on `graph`.
 
-    The same figure a `BudgetError` carries as `min_budget_bytes`, without
-    having to provoke one. `"chen-sqrt"` answers at once; `"auto"` runs every
-    planner it would try (with host offload unless `offload=False`), which
-    can take as long as planning.
+    The same figure a `BudgetError` of `make_plan` with the same settings
+    carries as `min_budget_bytes`, without having to provoke one.
+    `"chen-sqrt"` answers at once; `"auto"` runs every planner it would try
+    (with host offload unless `offload=False`), which can take as long as
+    planning. `tfremat.plan` plans with the optimizer's updates in the
+    backward pass and a pinned order where they lower the peak: pass
+    `update_in_backward=True, pin_order=True` for its figure.
 
     Args:
         graph: The PlanGraph.
