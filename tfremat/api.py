@@ -130,7 +130,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
     """Plans what to recompute so one training step fits `budget_mb`.
 
     Args:
-        model: A built Keras model. A compiled one is planned with its loss and
+        model: A built Keras model, or one a `sample` with targets builds (as
+            `fit` builds it). A compiled one is planned with its loss and
             optimizer; an uncompiled one with a mean-square loss of its outputs
             and SGD (no optimizer slots): compile it first to plan your step.
         budget_mb: Memory budget of ONE device in MiB (2**20 bytes) for the whole

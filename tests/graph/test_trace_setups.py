@@ -13,7 +13,9 @@ import tensorflow as tf
 import tfremat
 from tfremat.backend import device_name
 from tfremat.core import UnsupportedModelError
+from tfremat.graph import unbuilt_layers
 from tfremat.planners import min_feasible_budget
+from tests.graph.test_extract import Blocks
 from tests.test_memory import ScaledSGD
 
 
@@ -218,11 +220,23 @@ def built_by_shape() -> keras.Model:
     return model
 
 
-def test_layers_left_unbuilt_by_model_build_are_named_with_the_way_out():
+def test_a_sample_with_targets_builds_an_unbuilt_model_as_fit_does():
+    """`tfremat.plan(model, ..., sample=(x, y))` refused an unbuilt subclassed
+    model ("not built") that the Planner, given the same batch in `fit`,
+    builds, and a model whose `build(shape)` left its layers unbuilt (naming
+    them and `model(x[:1])` as the way out); both build them now, as `fit`
+    does."""
     x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
-    with pytest.raises(UnsupportedModelError,
-                       match=r"Layers .*dense.* are not built .*model\(x\[:1\]\)"):
-        tfremat.extract(built_by_shape(), sample=(x, y))
+    half_built = built_by_shape()
+    graph = tfremat.extract(half_built, sample=(x, y))
+    assert not unbuilt_layers(half_built) and len(graph) > 2
+    model = Blocks()
+    model.compile(optimizer="adam", loss="mse")
+    plan = tfremat.plan(model, 50, sample=(np.ones((8, 16), "float32"),
+                                           np.ones((8, 1), "float32")))
+    assert model.built and [n.id for n in plan.graph][1:] == ["block0", "block1", "block2",
+                                                            "head"]
+    model.fit(np.ones((8, 16), "float32"), np.ones((8, 1), "float32"), verbose=0)
 
 
 def test_the_planner_builds_layers_left_unbuilt_by_model_build():

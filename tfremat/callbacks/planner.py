@@ -17,7 +17,7 @@ from tfremat import api
 from tfremat.core import (MIB, BudgetError, Plan, PlanGraph, UnsupportedModelError,
                           budget_unit_hint, check_count, interrupts_deferred, warn)
 from tfremat.export import picture_format, summary, write_picture
-from tfremat.graph import extract, is_subclassed, unbuilt_layers
+from tfremat.graph import built_from_sample, extract
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available, xla_compiled
 from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
@@ -427,13 +427,12 @@ class Planner(keras.callbacks.Callback):
             batches.append(nxt.get_value())
         batches = [self._global_batch(b) for b in batches]
         sample = self._sample = self._replica_batch(batches[0])
-        if not model.built or (is_subclassed(model) and unbuilt_layers(model)):
-            # Without a distribution strategy, Keras's TensorFlow trainer builds an
-            # unbuilt model while tracing the first step; planning needs it built
-            # first, so build it as Keras does on its other backends. (Also a
-            # model marked built whose layers are not: `model.build(shape)` on a
-            # subclassed model without its own `build()`.)
-            model._symbolic_build(data_batch=sample)
+        # Without a distribution strategy, Keras's TensorFlow trainer builds an
+        # unbuilt model while tracing the first step; planning needs it built
+        # first, so build it as Keras does on its other backends. (Also a model
+        # marked built whose layers are not: `model.build(shape)` on a
+        # subclassed model without its own `build()`.)
+        built_from_sample(model, sample)
         if not model.trainable_weights:
             warn(f"tfremat: {model.name!r} has no trainable weights, so its training step "
                  "has no backward pass and nothing to recompute: this fit trains without "

@@ -19,11 +19,11 @@ from tfremat.graph.keras_graph import (CallSite, as_functional, fingerprint,  # 
 from tfremat.graph.training_state import forgetting_custom_gradients, stand_ins  # noqa: E402
 from tfremat.graph.timing import measure_layer_times  # noqa: E402
 from tfremat.graph.tracing import (TRACE_ERRORS, TracedStep, batch_specs,  # noqa: E402
-                                 require_built, step_function, target_candidates, trace,
-                                 unbuilt_layers, untraceable)
+                                 built_from_sample, require_built, step_function,
+                                 target_candidates, trace, unbuilt_layers, untraceable)
 
 __all__ = ["TRACE_ERRORS", "CallSite", "TracedStep", "as_functional", "batch_specs",
-           "extract", "fingerprint", "forgetting_custom_gradients", "is_subclassed",
+           "built_from_sample", "extract", "fingerprint", "forgetting_custom_gradients", "is_subclassed",
            "measure_layer_times",
            "require_built", "stand_ins", "step_function", "structure_graph",
            "target_candidates", "trace", "unbuilt_layers", "untraceable", "walk",

@@ -46,8 +46,9 @@ def extract(model: keras.Model, *, batch_size: int | None = None,
     `"inner_model/layer"`); a subclassed model's nodes are its direct sublayers.
 
     Args:
-        model: A built Keras model. When compiled, its loss and optimizer are
-            used; otherwise a mean-square loss with SGD.
+        model: A built Keras model, or one a `sample` with targets builds (as
+            `fit` builds it). When compiled, its loss and optimizer are used;
+            otherwise a mean-square loss with SGD.
         batch_size: Batch size, when the input shapes come from `model.inputs`.
         sample: One training batch `(x, y)` (or `x`), or a `tf.data.Dataset`
             of batches; its shapes and dtypes define the step.

@@ -431,12 +431,24 @@ def require_built(model: keras.Model, doing: str) -> None:
             f"model.build(input_shape), before {doing}.")
 
 
+def built_from_sample(model: keras.Model, batch: Any) -> None:
+    """Builds an unbuilt model (or a subclassed one whose layers are not all
+    built) from one batch `(x, y)`, arrays or specs, as Keras's `fit` builds
+    it: its variables made in its strategy's scope, the compiled loss and
+    metrics too. A built model is left alone."""
+    if model.built and not (is_subclassed(model) and unbuilt_layers(model)):
+        return
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=batch)
+
+
 def trace(model: keras.Model, *, batch_size: int | None = None,
           sample: Any = None) -> TracedStep:
     """Traces one training step of `model` and locates its layer calls.
 
     Args:
-        model: A built Keras model (functional, Sequential or subclassed).
+        model: A built Keras model (functional, Sequential or subclassed), or
+            one `sample` builds (a batch with targets), as `fit` would.
         batch_size: Batch size when shapes come from `model.inputs`.
         sample: One training batch `(x, y)`, or a `tf.data.Dataset`.
 
@@ -446,8 +458,13 @@ def trace(model: keras.Model, *, batch_size: int | None = None,
     Raises:
         UnsupportedModelError: the model is not built, or cannot be traced.
     """
+    if sample is not None:
+        x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
+        if y_spec is not None:
+            built_from_sample(model, (x_spec, y_spec))
     require_built(model, "planning")
-    x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
+    if sample is None:
+        x_spec, y_spec = batch_specs(model, batch_size=batch_size)
     subclassed = is_subclassed(model)
     if subclassed:
         # With no sublayers, the model's own call is the one unit: its step can
