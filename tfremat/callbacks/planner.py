@@ -751,14 +751,16 @@ class Planner(keras.callbacks.Callback):
 
     def _held_mb(self) -> float | None:
         """MiB in use on a CPU device beyond the model's weights, optimizer slots
-        and batch, when that is a tenth of the budget or more; else None. Fit on
-        NumPy arrays holds them in the step's allocator: a CNN's steps peaked at
-        258-295 MiB so, 242-244 fed from a generator."""
+        and batch, when that is a tenth of the budget or more, and 1 MiB or
+        more; else None. Fit on NumPy arrays holds them in the step's
+        allocator: a CNN's steps peaked at 258-295 MiB so, 242-244 fed from a
+        generator. (A new user asking for 0.01 MiB was told of 0.4 MiB held,
+        beside the warning that mattered.)"""
         if not self._stats or not self.device.startswith("CPU") or self.graph is None:
             return None
         held = (tf.config.experimental.get_memory_info(self.device)["current"] / MIB
                 - self._sharing * self.graph.total_persistent_bytes / MIB)
-        return held if held >= 0.1 * self._sharing * self.budget_mb else None
+        return held if held >= max(0.1 * self._sharing * self.budget_mb, 1.0) else None
 
     def _predicted_floor_mb(self) -> float:
         """The lowest peak the planner predicts for a plan: the minimum it states
