@@ -100,8 +100,9 @@ class Node:
             the scratch of another call's kernel still running beside this
             call's backward: a weight gradient's (a 3x3 `Conv2DBackpropFilter`
             holds about 30 MiB with TensorFlow's own CPU kernels), which no
-            input gradient waits for, so the executor goes on beside it. 0 where the backward pass runs one
-            kernel at a time, and in graphs saved before it was recorded.
+            input gradient waits for, so the executor goes on beside it. 0
+            where the backward pass runs one kernel at a time, and in graphs
+            saved before it was recorded.
         backward_carried_from: The id of the call whose kernel that is ("" for
             none). A plan whose units hand on their input gradients only once
             their weight gradients exist (updates in the backward pass, a

@@ -23,8 +23,8 @@ from tfremat.graph.tracing import (TRACE_ERRORS, TracedStep, batch_specs,  # noq
                                  target_candidates, trace, unbuilt_layers, untraceable)
 
 __all__ = ["TRACE_ERRORS", "CallSite", "TracedStep", "as_functional", "batch_specs",
-           "built_from_sample", "extract", "fingerprint", "forgetting_custom_gradients", "is_subclassed",
-           "measure_layer_times",
+           "built_from_sample", "extract", "fingerprint", "forgetting_custom_gradients",
+           "is_subclassed", "measure_layer_times",
            "require_built", "stand_ins", "step_function", "structure_graph",
            "target_candidates", "trace", "unbuilt_layers", "untraceable", "walk",
            "walk_with_outputs"]

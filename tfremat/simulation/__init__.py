@@ -3,8 +3,8 @@
 `simulate(graph, plan)` unrolls the step (`schedule.py`), plays its buffers'
 lives (`simulator.py`) through TensorFlow's allocator (`allocator.py`) and its
 host copies (`transfers.py`) and returns an `Estimate`. The planners build on the
-schedule's facts too: which nodes a gradient flows into (`requires_grad`), a region's order with segments
-contracted (`units`), and the weight-gradient lifetime.
+schedule's facts too: which nodes a gradient flows into (`requires_grad`), a region's
+order with segments contracted (`units`), and the weight-gradient lifetime.
 """
 
 from tfremat.simulation.schedule import (GRADIENT_LIFETIME_STEPS, Lifetime, Schedule,
