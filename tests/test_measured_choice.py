@@ -361,7 +361,12 @@ def test_a_measurement_that_fails_costs_a_warning_not_the_training(monkeypatch):
     planner = tfremat.Planner(budget, verbose=0, replan=False)
     with pytest.warns(RuntimeWarning, match="could not measure the candidate plans.*OOM"):
         history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[planner])
-    assert planner.plan.segments and "trials" not in planner.plan.estimates.details
+    # The prediction's plan, unmeasured: it fits the budget the plain step is over
+    # (recomputing, or with the updates in the backward pass alone, 59.1 MiB
+    # predicted for a budget of 67.8 on TensorFlow's own CPU kernels).
+    assert "trials" not in planner.plan.estimates.details
+    assert planner.plan.peak_bytes <= budget * MIB < tfremat.simulate(planner.graph).peak_bytes
+    assert planner.plan.segments or planner.plan.update_in_backward
     assert np.isfinite(history.history["loss"][0])
 
 
