@@ -107,7 +107,9 @@ class _Dataflow:
         self.root: dict[_Root, _Root] = {}
         self.size: dict[_Root, int] = {}
         self.readers: dict[_Root, list[int]] = collections.defaultdict(list)
-        # `_written_in_place` of a call's backward ops, asked for three times.
+        # `_written_in_place` by the positions it was asked for: a call's backward
+        # ops are asked for up to six times (two orders, each peak computed with
+        # and without a carried kernel, the released reads, the in-place gradient).
         self.homes: dict[tuple[int, ...], dict[_Root, _Root]] = {}
         for i in order:
             op = ops[i]
