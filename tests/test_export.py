@@ -65,6 +65,17 @@ def test_summary_names_the_batch_size_of_an_extracted_step():
     assert export.summary(graph, plan).splitlines()[0].endswith(", batch 12")
 
 
+def test_summary_takes_the_plan_alone_as_export_dot_does():
+    g, plan = plan_for_chain()
+    carried = dataclasses.replace(plan, graph=g)
+    assert export.summary(carried) == export.summary(g, plan)
+    assert "l0 .. l3" in export.summary(carried)
+    with pytest.raises(TypeError, match=r"summary\(plan\)"):
+        export.summary(g)
+    with pytest.raises(ValueError, match="carries no PlanGraph"):
+        export.summary(dataclasses.replace(plan, graph=None))
+
+
 def test_unknown_format_is_refused(tmp_path):
     g, plan = plan_for_chain()
     with pytest.raises(ValueError, match="use .dot, .png"):

@@ -195,11 +195,13 @@ def picture_format(path: str) -> str:
     return fmt
 
 
-def summary(graph: PlanGraph, plan: Plan) -> str:
+def summary(graph: PlanGraph | Plan, plan: Plan | None = None) -> str:
     """A `model.summary()`-like text of a plan: segments, offloads, estimates.
 
     Args:
-        graph: The PlanGraph.
+        graph: The PlanGraph; or the Plan alone, when it carries its graph
+            (`tfremat.summary(plan)`, the plan first as in `export_dot` and
+            `plot_memory`).
         plan: A Plan for `graph`.
 
     Returns:
@@ -208,14 +210,22 @@ def summary(graph: PlanGraph, plan: Plan) -> str:
     Raises:
         PlanMismatchError: the plan was made for another graph.
         PlanValidationError: the plan is malformed for `graph`.
+        TypeError: a graph without a plan.
+        ValueError: a plan alone that carries no graph.
 
     Example:
 
     ```python
     plan = tfremat.plan(model, budget_mb=200, batch_size=16)
-    text = tfremat.summary(plan.graph, plan)   # plan.summary() prints the same
+    text = tfremat.summary(plan)   # plan.summary() prints the same
+    text = tfremat.summary(graph, plan)   # a plan read from JSON, with its graph
     ```
     """
+    if plan is None:
+        if not isinstance(graph, Plan):
+            raise TypeError("tfremat.summary needs a plan: tfremat.summary(plan), or "
+                            "tfremat.summary(graph, plan) for a plan that carries no graph.")
+        graph, plan = graph.graph_or(None), graph
     plan = plan.for_graph(graph)
     plan.validate(graph)
     plain = simulate(graph)
