@@ -390,11 +390,16 @@ model.compile(optimizer="sgd", loss="categorical_crossentropy")
 graph = tfremat.extract(model, batch_size=32)
 undone = dataclasses.replace(graph, nodes=[dataclasses.replace(n, duplicate_of=[])
                                            for n in graph])
+def forward_peak(estimate):
+    return max(b for label, b in estimate.timeline if label.startswith("fwd"))
+
 print(json.dumps({
     "duplicate_of": {n.id: n.duplicate_of for n in graph if n.id.startswith("relu")},
     "relu_bytes": graph.node("relu0").output_bytes,
     "predicted": tfremat.simulate(graph).peak_bytes,
     "without": tfremat.simulate(undone).peak_bytes,
+    "forward": forward_peak(tfremat.simulate(graph)),
+    "forward_without": forward_peak(tfremat.simulate(undone)),
     "measured": min(tfremat.measure_peak(model, batch_size=32, repeats=1)
                     for _ in range(6))}))
 """
@@ -406,17 +411,22 @@ def test_duplicate_computations_share_one_buffer_as_grappler_runs_them_once():
     79 MiB on an AMD EPYC (TensorFlow's own kernels), by the order the
     executor takes the four branches' gradients in; 71 in most steps (12 of
     18), and the schedule follows that order. The other orders hold one or two
-    more ReLU-sized buffers, which the prediction (68.0 MiB) does not: the
+    more ReLU-sized buffers, which the prediction does not: at 68.0 MiB, the
     largest of two steps took the 79 in CI (-9.3%), the median of six was 73.0
-    in a fresh clone's run (-6.8%). docs/limitations.md says so."""
+    in a fresh clone's run (-6.8%). docs/limitations.md says so. Since kernel
+    scratch is read as requested and placed by the replay, it is predicted at
+    72.0 MiB, its peak in the backward pass, and so is the graph without its
+    duplicates (78.9): their difference is the forward pass's."""
     facts = run_fresh(_DUPLICATE_RELUS)
     firsts = [relu for relu, dup in facts["duplicate_of"].items() if not dup]
     assert len(firsts) == 1, facts  # the one the step computes first
     assert sorted(dup for dup in facts["duplicate_of"].values() if dup) == [
         [f"{firsts[0]}:0"]] * 3, facts
     assert abs(facts["predicted"] / facts["measured"] - 1) < 0.05, facts
-    # Counted as four buffers, the forward pass would hold three more.
-    assert facts["without"] >= facts["measured"] + 2 * facts["relu_bytes"], facts
+    # Counted as four buffers, the forward pass would hold three more, and the
+    # prediction would be further from the measured peak.
+    assert facts["forward_without"] >= facts["forward"] + 3 * facts["relu_bytes"], facts
+    assert facts["without"] - facts["measured"] > abs(facts["predicted"] - facts["measured"])
 
 
 def _text_model(length: int | None) -> tuple[keras.Model, np.ndarray, np.ndarray]:

@@ -96,6 +96,13 @@ class Node:
             beyond its outputs and saved tensors.
         backward_workspace_bytes: Peak transient memory of its backward ops beyond
             the input gradients it produces, `backward_carried_bytes` included.
+        backward_scratch_pieces: The scratch of each of the call's own kernels
+            that hold scratch at the peak of its backward pass (without
+            `backward_carried_bytes`), largest first: each is an allocation of
+            its own, which the simulator's allocator places apart from the
+            rest of the workspace (the gradients of a convolution's input and
+            of its filter run side by side on CPU, each with its scratch).
+            Empty when none, and in graphs saved before it was recorded.
         backward_carried_bytes: The part of `backward_workspace_bytes` that is
             the scratch of another call's kernel still running beside this
             call's backward: a weight gradient's (a 3x3 `Conv2DBackpropFilter`
@@ -161,6 +168,7 @@ class Node:
     internal_saved_pieces: int = 1
     forward_workspace_bytes: int = 0
     backward_workspace_bytes: int = 0
+    backward_scratch_pieces: list[int] = dataclasses.field(default_factory=list)
     backward_carried_bytes: int = 0
     backward_carried_from: str = ""
     param_bytes: int = 0

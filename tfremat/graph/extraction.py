@@ -490,6 +490,14 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
                          is_temporary: Any, carried: int = 0,
                          counted: frozenset[_Root] = frozenset(),
                          off_chain: frozenset[int] = frozenset()) -> int:
+    """`_temporaries`' peak."""
+    return _temporaries(positions, flow, is_temporary, carried, counted, off_chain)[0]
+
+
+def _temporaries(positions: list[int], flow: _Dataflow,
+                 is_temporary: Any, carried: int = 0,
+                 counted: frozenset[_Root] = frozenset(),
+                 off_chain: frozenset[int] = frozenset()) -> tuple[int, list[int]]:
     """Peak bytes of temporary buffers made at `positions` (op indices, sorted),
     each alive from its op to its last reader among `positions`, and of the
     scratch of their kernels, alive while each runs (`_scratch_spans`, where
@@ -506,9 +514,14 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     written into it in turn. (GELU's backward multiplies the incoming gradient
     by the saved `erfc` term: counted as a new buffer, a GPT-style block's MLP
     was predicted with 6 MiB of backward workspace where it holds 2.)
+
+    Returns:
+        The peak, and the scratch of each of the kernels at `positions` that
+        hold scratch at the peak (`carried` not among them), largest first:
+        each is an allocation of its own.
     """
     if not positions:
-        return 0
+        return 0, []
     local = {p: k for k, p in enumerate(positions)}
     # Temporaries an output of the call is written into (a Tile the mean's
     # gradient divides in place, the scaled input a Dropout's select keeps):
@@ -519,13 +532,16 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
     last: dict[_Root, int] = {}
     first = min(positions)
     outside: set[_Root] = set(counted)
-    kernels = [(start, end, flow.scratch[p])
+    # Each kernel's span, scratch and op (-1 for `carried`'s).
+    kernels = [(start, end, flow.scratch[p], p)
                for p, (start, end) in _scratch_spans(positions, local, flow, off_chain).items()]
     if carried:
-        kernels.append((0, len(positions) - 1, carried))
-    scratch = [sum(sorted((b for start, end, b in kernels if start <= k <= end),
-                          reverse=True)[:flow.threads])
-               for k in range(len(positions))] if kernels else [0] * len(positions)
+        kernels.append((0, len(positions) - 1, carried, -1))
+    # The kernels holding scratch at each position, largest first.
+    holding = [sorted(((b, p) for start, end, b, p in kernels if start <= k <= end),
+                      reverse=True)[:flow.threads]
+               for k in range(len(positions))]
+    scratch = [sum(b for b, _ in held) for held in holding]
     for p in positions:
         op = flow.ops[p]
         for j in range(len(op.outputs)):
@@ -548,10 +564,13 @@ def _peak_of_temporaries(positions: list[int], flow: _Dataflow,
             delta[local[p] + (1 if reused else 0)] += nbytes
             delta[last[r] + 1] -= nbytes
     peak = live = 0
-    for d, held in zip(delta, scratch):
+    pieces: list[int] = []
+    for d, held, kernels_there in zip(delta, scratch, holding):
         live += d
-        peak = max(peak, live + held)
-    return peak
+        if live + held > peak:
+            peak = live + held
+            pieces = [b for b, p in kernels_there if p != -1]
+    return peak, pieces
 
 
 def _ready_first(positions: list[int], flow: _Dataflow) -> list[int]:
@@ -783,15 +802,16 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
         carried, carried_from = overlapping.get(site.id, (0, ""))
         orders = (bwd_pos, _ready_first(bwd_pos, flow))
 
-        def backward_peak(scratch: int) -> int:
-            return max(_peak_of_temporaries(
+        def backward_peak(scratch: int) -> tuple[int, list[int]]:
+            return max(_temporaries(
                 order, flow, lambda r: all(owner[c] == site.id for c in flow.readers[r]),
                 carried=scratch, off_chain=off_chain) for order in orders)
 
         reads = sorted(set(backward_reads.get(site.id, [])))
         released = _released_reads(bwd_pos, {ref: root_of_ref[ref] for ref in reads}, flow)
-        backward_ws = backward_peak(carried)
-        backward_alone = backward_peak(0) if carried else backward_ws
+        backward_ws, scratch_pieces = backward_peak(carried)
+        backward_alone, scratch_pieces = backward_peak(0) if carried else (backward_ws,
+                                                                           scratch_pieces)
         saved_apart = _saved_apart(fwd_set, out_roots, saved_inside[site.id], flow)
         saved_flops = (_saved_flops(fwd_set, saved_inside[site.id], flow)
                        if saved_apart else 0.0)
@@ -816,6 +836,7 @@ def build_plan_graph(model: keras.Model, traced: TracedStep,
             internal_saved_bytes=int(internal_saved.get(site.id, 0)),
             internal_saved_pieces=max(1, saved_buffers.get(site.id, 0)),
             forward_workspace_bytes=forward_ws, backward_workspace_bytes=backward_ws,
+            backward_scratch_pieces=scratch_pieces,
             backward_carried_bytes=backward_ws - backward_alone,
             backward_carried_from=carried_from if backward_ws > backward_alone else "",
             param_bytes=param_bytes,

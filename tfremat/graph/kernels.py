@@ -6,9 +6,16 @@ and outputs. With TensorFlow's own CPU kernels (oneDNN off), a 3x3
 a backward pass of a CNN reaches it at every convolution; on a GPU, cuDNN's
 workspaces go through the same allocator. The graph has no trace of them, so
 each distinct heavy op of the step (type, input shapes and dtypes, attributes)
-is run alone on the budgeted device, on zeros, and its scratch is read from
-the allocator: the peak while it runs minus what is in use once it returned
-(its inputs and outputs), the median of three runs (`_scratch_bytes`).
+is run alone on the budgeted device, on zeros. Its scratch is what its
+allocations asked for and gave back before it returned, at their peak, read
+from the profiler's memory events (`_requested_bytes`): the simulator's
+allocator then decides the chunks, as TensorFlow's does in the step. Where the
+profiler cannot run (another session is on), it is read from the allocator
+instead, chunks included: the peak while it runs minus what is in use once it
+returned (its inputs and outputs), the median of three runs (`_scratch_bytes`).
+In a fresh process such a read is often a whole region (a filter gradient that
+asked for 24.4 MiB read 32.0), and it moves with what the process allocated
+before.
 
 Ops that cannot run alone are left out: stateful ops, ops on resources or
 variants, ops calling functions (loops, conditionals) and ops whose integer
@@ -23,9 +30,18 @@ shows.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import dataclasses
 import functools
+import glob
+import os
+import re
+import shutil
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -64,6 +80,9 @@ class KernelWorkspaces:
         skipped: Heavy ops that could not run alone or were left out when
             the time limit passed.
         seconds: Time the measurement took.
+        requested: Whether `bytes_by_op` are the bytes the kernels asked for
+            (read from the profiler's memory events), else the allocator's
+            chunks handed out for them (`_scratch_bytes`).
     """
 
     bytes_by_op: dict[int, int]
@@ -71,6 +90,7 @@ class KernelWorkspaces:
     measured: int
     skipped: int
     seconds: float
+    requested: bool = False
 
     @property
     def concurrent(self) -> bool:
@@ -94,7 +114,7 @@ class KernelWorkspaces:
         return {"device": self.device, "measured_ops": self.measured,
                 "skipped_ops": self.skipped, "seconds": round(self.seconds, 3),
                 "largest_bytes": max(self.bytes_by_op.values(), default=0),
-                "concurrent": self.concurrent}
+                "concurrent": self.concurrent, "requested": self.requested}
 
 
 def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = None,
@@ -115,11 +135,12 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
     device = device or device_name()
     start = time.perf_counter()
     found: dict[tuple, int | None] = {}
-    bytes_by_op: dict[int, int] = {}
+    key_of: dict[int, tuple] = {}  # op index -> its call's key, for the ops that ran
     skipped = 0
     if not memory_stats_available(device):
         return KernelWorkspaces({}, device, 0, 0, 0.0)
-    with context.eager_mode(), tf.device(device):
+    traced: list[tuple] = []  # keys of the calls run once more under the profiler
+    with context.eager_mode(), tf.device(device), _profiled() as events:
         for index, op in enumerate(ops):
             call = _runnable(op)
             if call is None:
@@ -129,14 +150,163 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
                 if time.perf_counter() - start > time_limit:
                     skipped += 1
                     continue
-                found[key] = call.scratch_bytes(device)
+                run = call.runner()
+                found[key] = _scratch_bytes(run, device)
+                if found[key] is not None and events is not None:
+                    outputs = []  # kept past the trace: an output is no scratch
+                    with tf.profiler.experimental.Trace(_TRACE_NAME, call=len(traced)):
+                        outputs.append(run())
+                    outputs.clear()
+                    traced.append(key)
             if found[key] is None:
                 skipped += 1
-            elif found[key] > 0:
-                bytes_by_op[index] = found[key]
+            else:
+                key_of[index] = key
+    requested = events is not None and events.space is not None
+    if requested:
+        asked = _requested_bytes(events.space, len(traced), device)
+        found.update((key, asked.get(k, 0)) for k, key in enumerate(traced))
+    bytes_by_op = {index: found[key] for index, key in key_of.items() if found[key]}
     measured = sum(1 for v in found.values() if v is not None)
     return KernelWorkspaces(bytes_by_op, device, measured, skipped,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, requested)
+
+
+#: The name of the profiler's trace around each call run for its requests.
+_TRACE_NAME = "tfremat_kernel"
+
+
+@dataclasses.dataclass
+class _Events:
+    """What a profiler session recorded (`space`, an XSpace), once stopped."""
+
+    space: Any = None
+
+
+@contextlib.contextmanager
+def _profiled() -> Iterator[_Events | None]:
+    """A profiler session, whose events are read when it ends; None when one
+    cannot start (another is running, or TensorFlow's profiler protobufs are
+    missing). TensorFlow logs the session's start and stop to stderr at
+    INFO level: they are kept out of the user's terminal."""
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError:
+        yield None
+        return
+    directory = tempfile.mkdtemp(prefix="tfremat-kernels-")
+    try:
+        with _quiet_stderr():
+            # The allocators' events are host events; no device tracer (CUPTI).
+            tf.profiler.experimental.start(directory, options=tf.profiler.experimental.
+                                           ProfilerOptions(host_tracer_level=2,
+                                                           python_tracer_level=0,
+                                                           device_tracer_level=0))
+    except (tf.errors.OpError, RuntimeError):
+        shutil.rmtree(directory, ignore_errors=True)
+        yield None
+        return
+    events = _Events()
+    try:
+        yield events
+    finally:
+        try:
+            with _quiet_stderr():
+                tf.profiler.experimental.stop()
+            paths = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+            if paths:
+                space = xplane_pb2.XSpace()
+                with open(paths[0], "rb") as f:
+                    space.ParseFromString(f.read())
+                events.space = space
+        except (tf.errors.OpError, OSError, ValueError):
+            events.space = None
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Sends what is written to the process's stderr (TensorFlow's C++ log
+    lines) to nowhere, and back on exit."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a notebook's stream: C++ logs go elsewhere
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def _requested_bytes(space: Any, calls: int, device: str = "CPU:0") -> dict[int, int]:
+    """For each call run in a `_TRACE_NAME` trace (by its `call` number), the
+    peak of the bytes asked for by its allocations on `device` that it freed
+    before its trace ended: its kernel's scratch as requested, before the
+    allocator's rounding and the chunks it hands out whole."""
+    windows: list[tuple[int, int, int]] = []  # start, end (ps), call
+    memory: list[tuple[int, bool, int, int]] = []  # time, is allocation, address, bytes
+    for plane in space.planes:
+        names = {k: m.name for k, m in plane.event_metadata.items()}
+        stats = {k: m.name for k, m in plane.stat_metadata.items()}
+        for line in plane.lines:
+            base = line.timestamp_ns * 1000
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                values = {stats.get(v.metadata_id): v for v in event.stats}
+                at = base + event.offset_ps
+                if name == _TRACE_NAME and "call" in values:
+                    windows.append((at, at + event.duration_ps, values["call"].int64_value))
+                elif (name in ("MemoryAllocation", "MemoryDeallocation") and "addr" in values
+                      and _on_device(_text(values.get("allocator_name"), stats), device)):
+                    nbytes = values.get("requested_bytes")
+                    memory.append((at, name == "MemoryAllocation",
+                                   values["addr"].uint64_value or values["addr"].int64_value,
+                                   nbytes.int64_value or nbytes.uint64_value if nbytes else 0))
+    memory.sort()
+    times = [m[0] for m in memory]
+    asked: dict[int, int] = {}
+    for begin, end, call in windows:
+        if not 0 <= call < calls:
+            continue
+        inside = memory[bisect.bisect_left(times, begin):bisect.bisect_right(times, end)]
+        freed = {address for _, allocation, address, _ in inside if not allocation}
+        live = peak = 0
+        held: dict[int, int] = {}
+        for _, allocation, address, nbytes in inside:
+            if allocation and address in freed:
+                held[address] = nbytes
+                live += nbytes
+                peak = max(peak, live)
+            elif not allocation and address in held:
+                live -= held.pop(address)
+        asked[call] = peak
+    return asked
+
+
+def _text(stat: Any, names: dict[int, str]) -> str:
+    """A string stat's value: its own, or the name it refers to."""
+    if stat is None:
+        return ""
+    return stat.str_value or names.get(stat.ref_value, "")
+
+
+def _on_device(allocator: str, device: str) -> bool:
+    """Whether an allocation by `allocator` (an event's `allocator_name`) is on
+    `device`: a GPU's allocator is `GPU_<k>_bfc`; a GPU's host-side
+    allocations (shapes, pinned buffers) are not that GPU's, and no GPU's
+    are the CPU's."""
+    gpu = re.search(r"GPU:(\d+)", device.upper())
+    name = allocator.lower()
+    if gpu:
+        return name.startswith(f"gpu_{gpu.group(1)}_")
+    return not name.startswith("gpu_")
 
 
 def _scratch_bytes(run: Any, device: str) -> int | None:
@@ -199,13 +369,11 @@ class _Call:
         return (self.op_type, tuple((d.name, s) for d, s, _ in self.inputs), consts,
                 repr(self.attrs))
 
-    def scratch_bytes(self, device: str) -> int | None:
-        """Peak bytes in use while the op runs, beyond what it leaves in use;
-        None if it does not run."""
-        run = functools.partial(execute.execute, self.op_type, self.num_outputs,
-                                _zeros(self.inputs), tuple(self.attrs), context.context(),
-                                name="tfremat_kernel")
-        return _scratch_bytes(run, device)
+    def runner(self) -> Any:
+        """A function running the op once, on its inputs."""
+        return functools.partial(execute.execute, self.op_type, self.num_outputs,
+                                 _zeros(self.inputs), tuple(self.attrs), context.context(),
+                                 name="tfremat_kernel")
 
 
 @dataclasses.dataclass
@@ -219,11 +387,9 @@ class _XlaCall:
     def key(self) -> tuple:
         return ("xla", self.function.name, tuple((d.name, s) for d, s, _ in self.inputs))
 
-    def scratch_bytes(self, device: str) -> int | None:
-        """Peak bytes in use while the compiled function runs, beyond what it
-        leaves in use; None if it does not run."""
-        return _scratch_bytes(functools.partial(self.function.call_flat, *_zeros(self.inputs)),
-                              device)
+    def runner(self) -> Any:
+        """A function running the compiled function once, on its inputs."""
+        return functools.partial(self.function.call_flat, *_zeros(self.inputs))
 
 
 def _xla_call(op: tf.Operation) -> _XlaCall | None:

@@ -138,6 +138,9 @@ class Schedule:
         seconds: Compute time of each step (`transfers.node_seconds`); the loss
             and the optimizer update count 0.
         transient: Transient workspace bytes of each step.
+        scratch: For the steps whose workspace holds kernels' scratch
+            (`Node.backward_scratch_pieces`), the bytes of each kernel's, an
+            allocation of its own. The rest of a step's `transient` is one.
         pieces: Buffers held in several equal allocations, and how many
             (`Node.internal_saved_pieces`); the others are one allocation.
         loss_step: Index of the loss step: steps after it are the backward pass.
@@ -167,6 +170,7 @@ class Schedule:
         self.labels: list[str] = []
         self.seconds: list[float] = []
         self.transient: list[int] = []
+        self.scratch: dict[int, list[int]] = {}
         self.alloc_step: dict[Key, int] = {}
         self.size: dict[Key, int] = {}
         self.pieces: dict[Key, int] = {}
@@ -499,6 +503,14 @@ class Schedule:
             return node.backward_workspace_bytes - node.backward_carried_bytes
         return node.backward_workspace_bytes
 
+    def _split_workspace(self, step: int, node: Node) -> None:
+        """Records the scratch of each of `node`'s kernels at the peak of its
+        backward pass (`Node.backward_scratch_pieces`) as allocations of their
+        own in `step`'s workspace."""
+        if node.backward_scratch_pieces and sum(node.backward_scratch_pieces) <= \
+                self.transient[step]:
+            self.scratch[step] = list(node.backward_scratch_pieces)
+
     def _before(self, node_id: str, later: str) -> bool:
         """Whether `node_id` is an ancestor of `later` in the forward graph."""
         key = (node_id, later)
@@ -521,6 +533,7 @@ class Schedule:
                 self._use(ctx.resolve(ref), first)
         step = self._step(f"bwd {node.id}", self._backward_workspace(node),
                           node_seconds(node, self.device_flops)[1])
+        self._split_workspace(step, node)
         self.backward_step[node.id] = step
         incoming: Key | None = None  # the output's gradient, when one buffer
         at = step if first is None else first
