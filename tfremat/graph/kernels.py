@@ -276,11 +276,19 @@ def _requested_bytes(space: Any, calls: int, device: str = "CPU:0") -> dict[int,
         if not 0 <= call < calls:
             continue
         inside = memory[bisect.bisect_left(times, begin):bisect.bisect_right(times, end)]
-        freed = {address for _, allocation, address, _ in inside if not allocation}
+        # The allocations freed inside the window (an address freed may be
+        # handed out again, to an output that outlives it).
+        made_at: dict[int, int] = {}  # address -> index in `inside` of its allocation
+        freed: set[int] = set()
+        for k, (_, allocation, address, _) in enumerate(inside):
+            if allocation:
+                made_at[address] = k
+            elif address in made_at:
+                freed.add(made_at.pop(address))
         live = peak = 0
         held: dict[int, int] = {}
-        for _, allocation, address, nbytes in inside:
-            if allocation and address in freed:
+        for k, (_, allocation, address, nbytes) in enumerate(inside):
+            if allocation and k in freed:
                 held[address] = nbytes
                 live += nbytes
                 peak = max(peak, live)
