@@ -379,11 +379,10 @@ def _allocator_bytes(schedule: Schedule, buffers: dict[Any, tuple[int, int, int]
     and a chunk under twice a request is handed out whole. The rest of the
     workspace, and scratch read as the allocator's chunks, count on top when
     no free chunk fits them: the rest is many buffers, which one region would
-    round up as none of them is (a `TimeDistributed` backward of 100 slice
-    gradients, 181 MiB, took a 256 MiB region whole: predicted 271 MiB against
-    190-191 measured), and a read already counts its chunk. The persistent
-    bytes come first, each
-    layer's weights in a chunk of their own, after a region of twice the
+    round up together (a `TimeDistributed` backward of 100 slice gradients, 181
+    MiB, took a 256 MiB region whole: predicted 271 MiB against 190-191
+    measured), and a read already counts its chunk. The persistent bytes come
+    first, each layer's weights in a chunk of their own, after a region of twice the
     persistent bytes was taken and given back (a model's initializers peak near
     twice its weights: building VGG19 peaked at 402 MiB for 213 MiB of weights,
     which then sat in chunks of 218 MiB). One step is played: playing a second
