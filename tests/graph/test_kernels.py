@@ -1,7 +1,9 @@
 """Kernel scratch (graph/kernels.py): measured per op, counted in the workspaces,
 and bringing the prediction closer to the measured peak."""
 
+import contextlib
 import tempfile
+from typing import Iterator
 
 import keras
 import numpy as np
@@ -302,6 +304,24 @@ def test_scratch_is_what_the_kernels_ask_for_read_from_the_profiler_quietly(capf
     finally:
         tf.profiler.experimental.stop(save=False)
     assert not read.requested and read.measured == asked.measured
+    assert all(b <= read.bytes_by_op.get(i, 0) for i, b in asked.bytes_by_op.items())
+
+
+def test_scratch_is_read_from_the_allocator_when_the_profilers_events_are_lost(
+        monkeypatch):
+    model = _dense_model()
+    sample = (np.zeros((256, 256), "float32"), np.zeros((256, 10), "float32"))
+    ops = trace(model, sample=sample).ops
+    asked = measure_kernel_workspaces(ops, time_limit=60)
+
+    @contextlib.contextmanager
+    def lost() -> Iterator[kernels._Events]:
+        yield kernels._Events()  # a session whose events could not be read
+
+    monkeypatch.setattr(kernels, "_profiled", lost)
+    read = measure_kernel_workspaces(ops, time_limit=60)
+    assert asked.requested and not read.requested
+    assert read.measured == asked.measured
     assert all(b <= read.bytes_by_op.get(i, 0) for i, b in asked.bytes_by_op.items())
 
 

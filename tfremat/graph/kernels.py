@@ -139,7 +139,7 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
     skipped = 0
     if not memory_stats_available(device):
         return KernelWorkspaces({}, device, 0, 0, 0.0)
-    traced: list[tuple] = []  # keys of the calls run once more under the profiler
+    traced: list[tuple[tuple, int]] = []  # key and op index of each call traced
     with context.eager_mode(), tf.device(device), _profiled() as events:
         for index, op in enumerate(ops):
             call = _runnable(op)
@@ -151,13 +151,13 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
                     skipped += 1
                     continue
                 run = call.runner()
-                found[key] = _scratch_bytes(run, device)
-                if found[key] is not None and events is not None:
-                    outputs = []  # kept past the trace: an output is no scratch
-                    with tf.profiler.experimental.Trace(_TRACE_NAME, call=len(traced)):
-                        outputs.append(run())
-                    outputs.clear()
-                    traced.append(key)
+                if events is None:
+                    found[key] = _scratch_bytes(run, device)
+                elif _ran_traced(run, len(traced)):
+                    found[key] = 0  # what it asked for is read once the session ends
+                    traced.append((key, index))
+                else:
+                    found[key] = None
             if found[key] is None:
                 skipped += 1
             else:
@@ -165,7 +165,11 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
     requested = events is not None and events.space is not None
     if requested:
         asked = _requested_bytes(events.space, len(traced), device)
-        found.update((key, asked.get(k, 0)) for k, key in enumerate(traced))
+        found.update((key, asked.get(k, 0)) for k, (key, _) in enumerate(traced))
+    elif traced:  # the session's events could not be read: the allocator's reads
+        with context.eager_mode(), tf.device(device):
+            for key, index in traced:
+                found[key] = _scratch_bytes(_runnable(ops[index]).runner(), device)
     bytes_by_op = {index: found[key] for index, key in key_of.items() if found[key]}
     measured = sum(1 for v in found.values() if v is not None)
     return KernelWorkspaces(bytes_by_op, device, measured, skipped,
@@ -315,6 +319,21 @@ def _on_device(allocator: str, device: str) -> bool:
     if gpu:
         return name.startswith(f"gpu_{gpu.group(1)}_")
     return not name.startswith("gpu_")
+
+
+def _ran_traced(run: Any, call: int) -> bool:
+    """Whether `run()` ran: once for its first-use allocations (and XLA's
+    compilation), then in a `_TRACE_NAME` trace numbered `call`, whose
+    allocations `_requested_bytes` reads. Its outputs are freed after the
+    trace: an output is no scratch."""
+    try:
+        run()
+        with tf.profiler.experimental.Trace(_TRACE_NAME, call=call):
+            outputs = run()
+        del outputs
+    except (tf.errors.OpError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _scratch_bytes(run: Any, device: str) -> int | None:
