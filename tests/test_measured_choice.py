@@ -9,10 +9,12 @@ import math
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfremat
 from tfremat import api
 from tfremat.core import MIB, BudgetError
+from tfremat.memory import MeasuredPeak
 from tfremat.planners import chen_sqrt, every_unit_segments, make_plan
 
 from tests.planners import graphs as G
@@ -43,6 +45,11 @@ def state(model: keras.Model) -> list[np.ndarray]:
     return [np.array(v.numpy(), copy=True) for v in variables]
 
 
+def peak(peak_bytes: int, start_bytes: int = 0) -> MeasuredPeak:
+    """A measurement as `PlanInstallation.measure_peak(return_details=True)` gives it."""
+    return MeasuredPeak(device="CPU:0", peak_bytes=int(peak_bytes), start_bytes=start_bytes)
+
+
 class FakeInstallation:
     """Stands in for PlanInstallation: 'measures' the prediction times FACTOR."""
 
@@ -54,7 +61,7 @@ class FakeInstallation:
 
     def measure_peak(self, **kwargs):
         FakeInstallation.measured.append(self.plan)
-        return int(self.plan.peak_bytes * self.factor)
+        return peak(int(self.plan.peak_bytes * self.factor))
 
 
 @pytest.fixture
@@ -114,7 +121,7 @@ def test_a_plan_that_fits_without_room_for_its_spread_is_kept_only_as_a_last_res
     class Installation(FakeInstallation):
         def measure_peak(self, **kwargs):
             measured.append(self.plan)
-            return int(budget * 0.99) if len(measured) == 1 else self.plan.peak_bytes // 2
+            return peak(int(budget * 0.99) if len(measured) == 1 else self.plan.peak_bytes // 2)
 
     monkeypatch.setattr(api, "PlanInstallation", Installation)
     chosen = choose(graph, budget, max_trials=max_trials)
@@ -193,7 +200,7 @@ def test_the_minimum_stated_rests_on_the_lowest_plan_measured_twice(monkeypatch)
         def measure_peak(self, **kwargs):
             FakeInstallation.measured.append(self.plan)
             counts[id(self.plan)] += 1
-            return int(self.plan.peak_bytes * (1.3 if counts[id(self.plan)] == 1 else 1.5))
+            return peak(int(self.plan.peak_bytes * (1.3 if counts[id(self.plan)] == 1 else 1.5)))
 
     FakeInstallation.measured = []
     monkeypatch.setattr(api, "PlanInstallation", Noisy)
@@ -274,6 +281,49 @@ def test_a_refused_budget_states_a_measured_minimum_that_is_met(fake_measure):
     fake_measure.measured = []
     chosen = choose(graph, minimum)
     assert int(chosen.peak_bytes * 1.3) <= minimum
+
+
+def test_bytes_held_beside_the_model_are_added_to_the_next_plans_estimate_not_scaled(
+        monkeypatch):
+    """The demo's CPU allocator held its dataset's 12 MiB of images (16.0 MiB)
+    beside every trial: scaling a lower plan's prediction by the first trial's
+    measured-to-predicted ratio scales those bytes down with it."""
+    graph = G.resnet_like(8)
+    budget = int(tfremat.simulate(graph).peak_bytes * 0.9)
+    roomy = budget / (1 + api.MEASURED_SPREAD)
+    held = budget // 4
+    measured = []
+
+    class Beside(FakeInstallation):
+        def measure_peak(self, **kwargs):
+            assert kwargs["return_details"]
+            measured.append(self.plan)
+            start = graph.total_persistent_bytes + held
+            return peak(held + self.plan.peak_bytes * 1.1, start_bytes=start)
+
+    monkeypatch.setattr(api, "PlanInstallation", Beside)
+    chosen = choose(graph, budget)
+    first = measured[0]
+    # The first plan measures over; the next is estimated as it measures, so it
+    # has room. (Scaled by the first one's ratio, a plan of more predicted peak
+    # would have been tried next, and measured over too.)
+    assert held + first.peak_bytes * 1.1 > roomy
+    assert len(measured) == 2 and chosen is measured[1]
+    assert held + chosen.peak_bytes * 1.1 <= roomy
+    trials = chosen.estimates.details["trials"]
+    assert [t["held_bytes"] for t in trials] == [held, held]
+    assert f"+ {held / MIB:.1f} MiB held beside the model ->" in api.trial_text(trials[0])
+
+
+def test_a_trial_states_the_bytes_held_beside_the_model():
+    model = cnn()
+    kept = tf.random.uniform((4, 2**20))  # 16 MiB the process keeps, as a dataset's arrays
+    budget = binding_budget_mb(model, SAMPLE)
+    plan = tfremat.plan(model, budget, sample=SAMPLE, measure=True)
+    trials = plan.estimates.details["trials"]
+    assert all(t["held_bytes"] >= 16 * MIB for t in trials), trials
+    assert "MiB held beside the model" in api.trial_text(trials[0])
+    del kept
 
 
 def test_max_trials_bounds_the_plans_measured_before_the_last_resorts(fake_measure):
@@ -384,7 +434,7 @@ def test_the_planner_says_why_a_plan_just_within_the_budget_was_passed_over(
     class JustWithin(FakeInstallation):
         def measure_peak(self, **kwargs):  # the first plan 1% under the budget
             measured.append(self.plan)
-            return int(budget_mb * MIB * 0.99) if len(measured) == 1 else self.plan.peak_bytes
+            return peak(int(budget_mb * MIB * 0.99) if len(measured) == 1 else self.plan.peak_bytes)
 
     monkeypatch.setattr(api, "PlanInstallation", JustWithin)
     planner = tfremat.Planner(budget_mb, verbose=1, replan=False)
@@ -410,8 +460,8 @@ class RecomputeDoesNotHelp(FakeInstallation):
     def measure_peak(self, **kwargs):
         FakeInstallation.measured.append(self.plan)
         if not self.plan.segments:
-            return int(self.budget * self.bare)
-        return int(self.budget * 1.2)
+            return peak(int(self.budget * self.bare))
+        return peak(int(self.budget * 1.2))
 
 
 @pytest.fixture
@@ -556,7 +606,7 @@ class EveryUnitMeasuresLower(FakeInstallation):
 
     def measure_peak(self, **kwargs):
         FakeInstallation.measured.append(self.plan)
-        return int(self.budget * (0.8 if self.plan.planner == "every-unit" else 1.2))
+        return peak(int(self.budget * (0.8 if self.plan.planner == "every-unit" else 1.2)))
 
 
 @pytest.fixture
@@ -627,7 +677,7 @@ class SqrtMeasuresLower(FakeInstallation):
 
     def measure_peak(self, **kwargs):
         FakeInstallation.measured.append(self.plan)
-        return int(self.budget * (0.8 if self.plan.planner == "chen-sqrt" else 1.2))
+        return peak(int(self.budget * (0.8 if self.plan.planner == "chen-sqrt" else 1.2)))
 
 
 def test_sqrt_n_segments_are_measured_when_the_prediction_sees_no_plan_lowering_the_peak(
@@ -671,7 +721,8 @@ class LowestMeasuresHighest(FakeInstallation):
 
     def measure_peak(self, **kwargs):
         FakeInstallation.measured.append(self.plan)
-        return int(self.plan.peak_bytes * (1.4 if self.plan.peak_bytes == self.floor else 0.7))
+        factor = 1.4 if self.plan.peak_bytes == self.floor else 0.7
+        return peak(int(self.plan.peak_bytes * factor))
 
 
 def test_a_refused_budget_measures_plans_near_the_floor_when_the_lowest_measures_high(
@@ -800,7 +851,7 @@ def test_plans_measured_after_a_step_predicted_to_fit_update_in_the_backward_pas
     class Installation(FakeInstallation):
         def measure_peak(self, **kwargs):  # the plain step measures 20% over
             measured.append(self.plan)
-            return int(self.plan.peak_bytes * (1.2 if self.plan.is_empty else 1.0))
+            return peak(int(self.plan.peak_bytes * (1.2 if self.plan.is_empty else 1.0)))
 
     monkeypatch.setattr(api, "PlanInstallation", Installation)
     chosen = tfremat.plan(model, plain * 1.05 / MIB, graph=graph, measure=True,

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfremat.backend import device_name, multi_worker, xla_compiled
 from tfremat.core import MIB, BudgetError, Plan, PlanGraph, Segment, check_count, warn
 from tfremat.graph import extract
-from tfremat.memory import require_measurable_scope
+from tfremat.memory import MeasuredPeak, require_measurable_scope
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
 from tfremat.rewriter import (UNIT_CLASSES, PlanInstallation, choose_updates, rewrite_model,
@@ -369,6 +369,10 @@ MEASURED_SPREAD = 0.05
 #: only the low mode and the epochs then went over the budget.
 TRIAL_STEPS = 5
 
+#: Bytes held beside the model's step (`held_bytes`) that a trial's text names,
+#: in MiB; fewer are a process's small tensors, not worth a word.
+HELD_SHOWN_MB = 1.0
+
 #: Budgets, as fractions of the budget, of the plans `measured_choice` may try
 #: after the first, before its last resorts.
 TRIAL_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5)
@@ -396,11 +400,12 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     within the budget. `first` (planned for the budget) is measured first.
     While the last plan measured has no such room, the next one tried is the
     fastest plan made for `TRIAL_FRACTIONS` of the budget (or for the lowest
-    peak) whose prediction, scaled by the last measured-to-predicted ratio,
-    fits with room; at most `max_trials` plans so. When none has room, the
-    last resorts are measured in turn until one has (the prediction that put
-    the plans over the budget is not off by one ratio, so it may rank them
-    wrong): the plan of lowest predicted peak, plans for budgets `FLOOR_LADDER`
+    peak) whose prediction fits with room once scaled by the last trial's
+    measured-to-predicted ratio of the step, with the bytes that trial found
+    held beside the model (`held_bytes`) added; at most `max_trials` plans
+    so. When none has room, the last resorts are measured in turn until one
+    has (the prediction that put the plans over the budget is not off by one
+    ratio, so it may rank them wrong): the plan of lowest predicted peak, plans for budgets `FLOOR_LADDER`
     of the way from its peak up to the peak without a plan, and
     `fixed(first)` (plans the prediction does not rank: every unit recomputed
     on its own, sqrt(n) segments). Then
@@ -440,7 +445,7 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
 
     Returns:
         The chosen plan; its estimate details hold `"measured_peak_bytes"` and
-        `"trials"` (predicted and measured bytes of each plan measured).
+        `"trials"` (predicted, measured and held bytes of each plan measured).
 
     Raises:
         BudgetError: no plan measured fits; plans that measured lowest are
@@ -465,6 +470,7 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
     budget = first.budget_bytes
     roomy = largest_with_room(budget)
     trials: list[tuple[Plan, int]] = []
+    held: list[int] = []  # each trial's bytes held beside the model's step (`held_bytes`)
     measured_keys: set[str] = set()
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     stopped = False  # the time limit kept a plan from being measured
@@ -478,7 +484,9 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
     def measure(plan: Plan) -> None:
         if not out_of_time():
             measured_keys.add(_key(plan))
-            trials.append((plan, _trial(model, plan, budget, batch_size, sample)))
+            measured = _trial(model, plan, budget, batch_size, sample)
+            trials.append((plan, measured.peak_bytes))
+            held.append(held_bytes(measured, plan))
 
     def done() -> bool:
         return any(m <= roomy for _, m in trials) or out_of_time()
@@ -488,8 +496,8 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
         measure(plan)
         if done():
             break
-        ratio = trials[-1][1] / max(plan.peak_bytes, 1)
-        plan = next((p for p in candidates if p.peak_bytes * ratio <= roomy
+        limit = _predicted_limit(roomy, plan, trials[-1][1], held[-1])
+        plan = next((p for p in candidates if p.peak_bytes <= limit
                      and _key(p) not in measured_keys), None)
     for resort in _resorts(lowest, first, make, unplanned, fixed):
         if done():
@@ -500,7 +508,7 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
         bare = unplanned(first)
         if _key(bare) not in measured_keys:
             measure(bare)
-    lighter = _lighter(trials, roomy, first, make, unplanned)
+    lighter = _lighter(trials, held, roomy, first, make, unplanned)
     if lighter is not None and _key(lighter) not in measured_keys:
         measure(lighter)
     # Nothing fits: the lowest of several noisy measurements is a lucky one, so
@@ -511,29 +519,51 @@ def _choose(model: keras.Model, first: Plan, candidates: list[Plan], lowest: Pla
         if times > 1 or out_of_time():
             break
         measure(plan)
-    return _conclude(trials, budget, planner, time_limit if stopped else None)
+    return _conclude(trials, held, budget, planner, time_limit if stopped else None)
+
+
+def held_bytes(measured: MeasuredPeak, plan: Plan) -> int:
+    """Bytes that were in use on the device before `plan`'s measured step beyond
+    what its graph counts as persistent (weights, optimizer slots, batch): what
+    the process keeps there besides the model. On a CPU that includes the
+    arrays a `tf.data` pipeline was made from (the demo's 12 MiB of images held
+    16.0 MiB); the simulator predicts the model's step alone. 0 when the plan
+    has no graph."""
+    if plan.graph is None:
+        return 0
+    return max(0, measured.start_bytes - plan.graph.total_persistent_bytes)
+
+
+def _predicted_limit(limit: float, plan: Plan, measured: int, held: int) -> float:
+    """The largest predicted peak of a plan that would measure within `limit`,
+    judged by `plan`'s trial (`measured`, with `held` bytes beside the model's
+    step): the held bytes stay as they are, the step scales by its measured to
+    predicted ratio."""
+    return (limit - held) * max(plan.peak_bytes, 1) / max(measured - held, 1)
 
 
 def _overhead(plan: Plan) -> float:
     return plan.estimates.overhead if plan.estimates else 0.0
 
 
-def _lighter(trials: list[tuple[Plan, int]], roomy: float, first: Plan,
+def _lighter(trials: list[tuple[Plan, int]], held: list[int], roomy: float, first: Plan,
              make: Callable[..., Plan],
              unplanned: Callable[[Plan], Plan] | None) -> Plan | None:
     """A plan of less predicted overhead than the fastest plan measured with
-    room, to measure once when that plan measured more than `MEASURED_SPREAD`
-    below its prediction (the prediction is high for this model, so less
-    recomputation may fit as well): the step without recomputation when it is
-    predicted within the room the measurement shows, else the plan made for
-    that room. None when there is no such plan."""
-    with_room = [(p, m) for p, m in trials if m <= roomy]
+    room, to measure once when that plan's step (the bytes `held` beside it
+    left out) measured more than `MEASURED_SPREAD` below its prediction (the
+    prediction is high for this model, so less recomputation may fit as well):
+    the step without recomputation when it is predicted within the room the
+    measurement shows, else the plan made for that room. None when there is
+    no such plan."""
+    with_room = [(p, m, h) for (p, m), h in zip(trials, held) if m <= roomy]
     if not with_room:
         return None
-    plan, measured = min(with_room, key=lambda t: _overhead(t[0]))
-    if _overhead(plan) <= 0 or measured > plan.peak_bytes * (1 - MEASURED_SPREAD):
+    plan, measured, beside = min(with_room, key=lambda t: _overhead(t[0]))
+    if (_overhead(plan) <= 0
+            or measured - beside > plan.peak_bytes * (1 - MEASURED_SPREAD)):
         return None
-    room = int(roomy * plan.peak_bytes / measured)  # in predicted bytes
+    room = int(_predicted_limit(roomy, plan, measured, beside))
     bare = unplanned(first) if unplanned is not None else None
     if bare is not None and bare.peak_bytes <= room:
         lighter = dataclasses.replace(bare, planner=first.planner)
@@ -572,15 +602,16 @@ def _by_plan(trials: list[tuple[Plan, int]]) -> list[tuple[Plan, int, int]]:
     return list(seen.values())
 
 
-def _conclude(trials: list[tuple[Plan, int]], budget: int, planner: str,
+def _conclude(trials: list[tuple[Plan, int]], held: list[int], budget: int, planner: str,
               stopped: float | None = None) -> Plan:
     """The plan `measured_choice` chooses among `(plan, measured peak)` trials
-    (see there), its measurements recorded, or its BudgetError; `stopped`: the
-    time limit that ended measuring, if one did."""
+    (see there; `held`: each one's `held_bytes`), its measurements recorded,
+    or its BudgetError; `stopped`: the time limit that ended measuring, if one
+    did."""
     roomy = largest_with_room(budget)
     keys = [_key(p) for p, _ in trials]
     record = [{"predicted_bytes": p.peak_bytes, "measured_bytes": m,
-               "overhead": _overhead(p),
+               "held_bytes": held[i], "overhead": _overhead(p),
                "unplanned": not (p.segments or p.offloaded), "planner": p.planner,
                "again": keys[i] in keys[:i]}
               for i, (p, m) in enumerate(trials)]
@@ -635,7 +666,9 @@ def trial_text(trial: dict[str, Any], arrow: str = "->") -> str:
         kind = f"the same plan again ({name}), " if name else "the same plan again, "
     else:
         kind = f"{name}, " if name else ""
-    return (f"{kind}predicted {trial['predicted_bytes'] / MIB:.1f} MiB {arrow} "
+    beside = trial.get("held_bytes", 0) / MIB
+    held = f" + {beside:.1f} MiB held beside the model" if beside >= HELD_SHOWN_MB else ""
+    return (f"{kind}predicted {trial['predicted_bytes'] / MIB:.1f} MiB{held} {arrow} "
             f"{trial['measured_bytes'] / MIB:.1f} MiB")
 
 
@@ -704,14 +737,15 @@ def fixed_plans(graph: PlanGraph, like: Plan) -> list[Plan]:
 
 
 def _trial(model: keras.Model, plan: Plan, budget: int, batch_size: int | None,
-           sample: Any) -> int:
+           sample: Any) -> MeasuredPeak:
     """The measured peak of `plan`: the largest of `TRIAL_STEPS` steps."""
     # XLA ignores device placement: offload runs without it (as the Planner does).
     jit = False if plan.offloaded and xla_compiled(model) else None
     measured = PlanInstallation(model, plan, jit_compile=jit).measure_peak(
-        batch_size=batch_size, sample=sample, repeats=TRIAL_STEPS)
-    logger.info("Measured a plan predicted at %.1f MiB: %.1f MiB (budget %.1f MiB).",
-                plan.peak_bytes / MIB, measured / MIB, budget / MIB)
+        batch_size=batch_size, sample=sample, repeats=TRIAL_STEPS, return_details=True)
+    logger.info("Measured a plan predicted at %.1f MiB: %.1f MiB, %.1f MiB of it held "
+                "beside the model (budget %.1f MiB).", plan.peak_bytes / MIB,
+                measured.peak_mb, held_bytes(measured, plan) / MIB, budget / MIB)
     return measured
 
 

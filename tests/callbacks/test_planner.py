@@ -15,6 +15,7 @@ from tests.fresh import run_fresh
 from tests.marks import needs_graphviz
 from tfremat.callbacks import planner as planner_module
 from tfremat.core import MIB
+from tfremat.memory import MeasuredPeak
 from tfremat.planners import min_feasible_budget
 from tfremat.rewriter import install as install_module
 from tfremat.demo import resnet_style
@@ -1004,7 +1005,7 @@ def test_the_planner_says_when_measuring_stopped_at_its_time_limit(monkeypatch):
 
         def measure_peak(self, **kwargs):
             measured.append(self.plan)
-            return int(2 * budget * MIB)
+            return MeasuredPeak(device="CPU:0", peak_bytes=int(2 * budget * MIB), start_bytes=0)
 
     monkeypatch.setattr(planner_module.api, "PlanInstallation", OverBudget)
     planner = tfremat.Planner(budget, verbose=0, replan=False, measure_time_limit=1e-6)

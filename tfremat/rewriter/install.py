@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import keras
 
 from tfremat.core import Plan, interrupts_deferred
-from tfremat.memory import measure_peak
+from tfremat.memory import MeasuredPeak, measure_peak
 from tfremat.rewriter.backward_updates import for_plan
 from tfremat.rewriter.rewriting import rewrite_model
 from tfremat.rewriter.unwrap import unit_layers
@@ -90,7 +90,7 @@ class PlanInstallation:
             return self._planned(iterator)
 
     def measure_peak(self, *, batch_size: int | None = None, sample: Any = None,
-                     repeats: int = 2) -> int:
+                     repeats: int = 2, return_details: bool = False) -> int | MeasuredPeak:
         """Measures the device peak of the planned step, installed or not.
 
         `tfremat.measure_peak` runs the model's own training step (its loss,
@@ -103,9 +103,11 @@ class PlanInstallation:
             sample: One batch `(x, y)`, whose values the steps use, or a
                 `tf.data.Dataset`, for whose shapes random data is made.
             repeats: Measured steps after a warm-up step.
+            return_details: Return a `MeasuredPeak` (with the bytes in use
+                before the step) instead of bytes.
 
         Returns:
-            Peak bytes of the device during a step.
+            Peak bytes of the device during a step, or a `MeasuredPeak`.
         """
         model = self.model
         saved_jit = model.jit_compile
@@ -114,7 +116,7 @@ class PlanInstallation:
                 model.jit_compile = self.jit_compile
             with self._patched_call():
                 return measure_peak(model, batch_size=batch_size, sample=sample,
-                                    repeats=repeats)
+                                    repeats=repeats, return_details=return_details)
         finally:
             model.jit_compile = saved_jit
             if not self.installed and self._updates is not None:
