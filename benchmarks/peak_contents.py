@@ -32,13 +32,11 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import glob
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +47,7 @@ WEIGHT_GRADIENT_OPS = ("BackpropFilter", "BiasAddGrad", "MatMul_1")
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 
 
-def memory_events(name: str, directory: str, variant: str
+def memory_events(name: str, variant: str
                   ) -> tuple[list[tuple[int, str, dict]], float, list[tuple[int, int, str]],
                              dict[str, Any]]:
     """The allocator's events during one step of `name`, in time order; the
@@ -60,11 +58,10 @@ def memory_events(name: str, directory: str, variant: str
     `PLANNERS` planned at its minimum budget."""
     import tensorflow as tf
     from planners import build_model, compile_like_original, plan_at_minimum, synthetic_xy
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     from tfremat.api import rewrite
     from tfremat.core import Plan
-    from tfremat.graph import extract, step_function
+    from tfremat.graph import extract, profiler, step_function
 
     model, batch = build_model(name)
     prediction: dict[str, Any] = {}
@@ -82,30 +79,17 @@ def memory_events(name: str, directory: str, variant: str
     step(x, y)
     step(x, y)
     tf.config.experimental.reset_memory_stats("CPU:0")
-    tf.profiler.experimental.start(
-        directory, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
-    step(x, y)
-    tf.profiler.experimental.stop()
+    with profiler.profiled(host_tracer_level=3) as session:
+        step(x, y)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] / MIB
-    [path] = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
+    if session is None or session.space is None:
+        raise SystemExit("the profiler could not record the step")
     events, ops = [], []
-    for plane in space.planes:
-        for line in plane.lines:
-            for event in line.events:
-                kind = plane.event_metadata[event.metadata_id].name
-                start = line.timestamp_ns * 1000 + event.offset_ps
-                if ":" in kind and "/" in kind:  # "scope/op_name:OpType"
-                    ops.append((start, start + event.duration_ps, kind.split(":")[0]))
-                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
-                    continue
-                stats = {plane.stat_metadata[s.metadata_id].name:
-                         s.str_value or s.int64_value or s.uint64_value
-                         or (plane.stat_metadata[s.ref_value].name if s.ref_value else None)
-                         for s in event.stats}
-                events.append((start, kind, stats))
+    for event in profiler.events(session.space):
+        if ":" in event.name and "/" in event.name:  # "scope/op_name:OpType"
+            ops.append((event.start_ps, event.end_ps, event.name.split(":")[0]))
+        elif event.name in ("MemoryAllocation", "MemoryDeallocation"):
+            events.append((event.start_ps, event.name, event.stats))
     events.sort(key=lambda e: e[0])
     return events, peak, sorted(ops), prediction
 
@@ -251,8 +235,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         name, variant = args.worker
-        with tempfile.TemporaryDirectory() as directory:
-            events, peak, ops, prediction = memory_events(name, directory, variant)
+        events, peak, ops, prediction = memory_events(name, variant)
         label = {"plain": "", "updates": " with updates in the backward pass"}.get(
             variant, f", {variant} at its minimum")
         print(json.dumps({"model": name + label, **analyse(events, peak),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfremat.graph import extract, kernels, trace
+from tfremat.graph import extract, kernels, profiler, trace
 from tfremat.graph.kernels import measure_kernel_workspaces
 
 from tests.fresh import run_fresh
@@ -315,10 +315,10 @@ def test_scratch_is_read_from_the_allocator_when_the_profilers_events_are_lost(
     asked = measure_kernel_workspaces(ops, time_limit=60)
 
     @contextlib.contextmanager
-    def lost() -> Iterator[kernels._Events]:
-        yield kernels._Events()  # a session whose events could not be read
+    def lost() -> Iterator[profiler.Session]:
+        yield profiler.Session()  # a session whose events could not be read
 
-    monkeypatch.setattr(kernels, "_profiled", lost)
+    monkeypatch.setattr(profiler, "profiled", lost)
     read = measure_kernel_workspaces(ops, time_limit=60)
     assert asked.requested and not read.requested
     assert read.measured == asked.measured
@@ -334,7 +334,7 @@ def test_a_kernels_request_is_the_peak_of_what_it_asked_for_and_gave_back():
 
     with tf.device("CPU:0"):
         run()
-        with kernels._profiled() as events:
+        with profiler.profiled() as events:
             for call in range(2):
                 with tf.profiler.experimental.Trace(kernels._TRACE_NAME, call=call):
                     out = run() if call == 0 else tf.ones([asked // 4], tf.float32)

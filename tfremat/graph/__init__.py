@@ -3,9 +3,10 @@
 `walk` lists a functional model's call sites (`keras_graph.py`); `trace` traces
 one training step and locates each call's ops in it (`tracing.py`), with fresh
 copies of the training state the step would build (`training_state.py`); `extract`
-turns the traced step into a `PlanGraph` (`extraction.py`) with bytes, FLOPs (`costs.py`) and,
-on request, measured times (`timing.py`). Importing this package needs
-TensorFlow.
+turns the traced step into a `PlanGraph` (`extraction.py`) with bytes, FLOPs (`costs.py`),
+the scratch each heavy kernel asks for (`kernels.py`, from the profiler's memory events:
+`profiler.py`) and, on request, measured times (`timing.py`). Importing this package
+needs TensorFlow.
 """
 
 from tfremat.backend import require_tensorflow

@@ -31,17 +31,10 @@ shows.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 import functools
-import glob
-import os
 import re
-import shutil
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -49,6 +42,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context, execute
 
 from tfremat.backend import device_name, kernels_at_once, memory_stats_available
+from tfremat.graph import profiler
 
 #: Ops whose inputs and outputs together are smaller are not measured, except
 #: convolutions and XLA-compiled calls (Keras's grouped convolutions):
@@ -140,7 +134,7 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
     if not memory_stats_available(device):
         return KernelWorkspaces({}, device, 0, 0, 0.0)
     traced: list[tuple[tuple, int]] = []  # key and op index of each call traced
-    with context.eager_mode(), tf.device(device), _profiled() as events:
+    with context.eager_mode(), tf.device(device), profiler.profiled() as events:
         for index, op in enumerate(ops):
             call = _runnable(op)
             if call is None:
@@ -179,74 +173,7 @@ def measure_kernel_workspaces(ops: list[tf.Operation], *, device: str | None = N
 #: The name of the profiler's trace around each call run for its requests.
 _TRACE_NAME = "tfremat_kernel"
 
-
-@dataclasses.dataclass
-class _Events:
-    """What a profiler session recorded (`space`, an XSpace), once stopped."""
-
-    space: Any = None
-
-
-@contextlib.contextmanager
-def _profiled() -> Iterator[_Events | None]:
-    """A profiler session, whose events are read when it ends; None when one
-    cannot start (another is running, or TensorFlow's profiler protobufs are
-    missing). TensorFlow logs the session's start and stop to stderr at
-    INFO level: they are kept out of the user's terminal."""
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError:
-        yield None
-        return
-    directory = tempfile.mkdtemp(prefix="tfremat-kernels-")
-    try:
-        with _quiet_stderr():
-            # The allocators' events are host events; no device tracer (CUPTI).
-            tf.profiler.experimental.start(directory, options=tf.profiler.experimental.
-                                           ProfilerOptions(host_tracer_level=2,
-                                                           python_tracer_level=0,
-                                                           device_tracer_level=0))
-    except (tf.errors.OpError, RuntimeError):
-        shutil.rmtree(directory, ignore_errors=True)
-        yield None
-        return
-    events = _Events()
-    try:
-        yield events
-    finally:
-        try:
-            with _quiet_stderr():
-                tf.profiler.experimental.stop()
-            paths = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-            if paths:
-                space = xplane_pb2.XSpace()
-                with open(paths[0], "rb") as f:
-                    space.ParseFromString(f.read())
-                events.space = space
-        except (tf.errors.OpError, OSError, ValueError):
-            events.space = None
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Sends what is written to the process's stderr (TensorFlow's C++ log
-    lines) to nowhere, and back on exit."""
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a notebook's stream: C++ logs go elsewhere
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), fd)
-        yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
+_MEMORY_EVENTS = ("MemoryAllocation", "MemoryDeallocation")
 
 
 def _requested_bytes(space: Any, calls: int, device: str = "CPU:0") -> dict[int, int]:
@@ -256,23 +183,14 @@ def _requested_bytes(space: Any, calls: int, device: str = "CPU:0") -> dict[int,
     allocator's rounding and the chunks it hands out whole."""
     windows: list[tuple[int, int, int]] = []  # start, end (ps), call
     memory: list[tuple[int, bool, int, int]] = []  # time, is allocation, address, bytes
-    for plane in space.planes:
-        names = {k: m.name for k, m in plane.event_metadata.items()}
-        stats = {k: m.name for k, m in plane.stat_metadata.items()}
-        for line in plane.lines:
-            base = line.timestamp_ns * 1000
-            for event in line.events:
-                name = names.get(event.metadata_id, "")
-                values = {stats.get(v.metadata_id): v for v in event.stats}
-                at = base + event.offset_ps
-                if name == _TRACE_NAME and "call" in values:
-                    windows.append((at, at + event.duration_ps, values["call"].int64_value))
-                elif (name in ("MemoryAllocation", "MemoryDeallocation") and "addr" in values
-                      and _on_device(_text(values.get("allocator_name"), stats), device)):
-                    nbytes = values.get("requested_bytes")
-                    memory.append((at, name == "MemoryAllocation",
-                                   values["addr"].uint64_value or values["addr"].int64_value,
-                                   nbytes.int64_value or nbytes.uint64_value if nbytes else 0))
+    for event in profiler.events(space, (_TRACE_NAME, *_MEMORY_EVENTS)):
+        stats = event.stats
+        if event.name == _TRACE_NAME:
+            if "call" in stats:
+                windows.append((event.start_ps, event.end_ps, stats["call"]))
+        elif "addr" in stats and _on_device(stats.get("allocator_name") or "", device):
+            memory.append((event.start_ps, event.name == "MemoryAllocation", stats["addr"],
+                           stats.get("requested_bytes") or 0))
     memory.sort()
     times = [m[0] for m in memory]
     asked: dict[int, int] = {}
@@ -300,13 +218,6 @@ def _requested_bytes(space: Any, calls: int, device: str = "CPU:0") -> dict[int,
                 live -= held.pop(address)
         asked[call] = peak
     return asked
-
-
-def _text(stat: Any, names: dict[int, str]) -> str:
-    """A string stat's value: its own, or the name it refers to."""
-    if stat is None:
-        return ""
-    return stat.str_value or names.get(stat.ref_value, "")
 
 
 def _on_device(allocator: str, device: str) -> bool:
