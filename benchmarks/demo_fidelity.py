@@ -24,12 +24,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planners import machine  # noqa: E402
+from planners import json_from_process, machine  # noqa: E402
 
 VARIANTS = ["plain", "approx-dp:241", "chen-greedy:190"]
 MIB = 2**20
@@ -62,12 +61,8 @@ def measure_one(variant: str) -> dict:
 
 def run_one(variant: str) -> dict:
     """`measure_one(variant)` in a fresh process."""
-    out = subprocess.run([sys.executable, __file__, "--one", variant], capture_output=True,
-                         text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    if out.returncode:
-        print(out.stderr[-2000:], file=sys.stderr)
-        raise SystemExit(f"{variant} failed")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_process([__file__, "--one", variant],
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
 
 
 def listed(values: Iterable[float]) -> str:

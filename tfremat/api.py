@@ -405,8 +405,9 @@ def measured_choice(model: keras.Model, first: Plan, make: Callable[..., Plan], 
     held beside the model (`held_bytes`) added; at most `max_trials` plans
     so. When none has room, the last resorts are measured in turn until one
     has (the prediction that put the plans over the budget is not off by one
-    ratio, so it may rank them wrong): the plan of lowest predicted peak, plans for budgets `FLOOR_LADDER`
-    of the way from its peak up to the peak without a plan, and
+    ratio, so it may rank them wrong): the plan of lowest predicted peak,
+    plans for budgets `FLOOR_LADDER` of the way from its peak up to the peak
+    without a plan, and
     `fixed(first)` (plans the prediction does not rank: every unit recomputed
     on its own, sqrt(n) segments). Then
     `unplanned(first)` (the step without recomputation or offload):
