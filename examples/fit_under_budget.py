@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     history = model.fit(ds, epochs=args.epochs, verbose=0 if args.smoke else 2,
                         shuffle=False, callbacks=[planner])
 
-    # What the History holds: the loss and, per epoch, measured and predicted peaks.
+    # What the History holds: the loss and, per epoch, measured and predicted peaks,
+    # and what was held beside the model (on CPU, the input pipeline's tensors).
     # An epoch's peak includes its first step, which traces the step and makes
     # first-use allocations; `plan_peak_mb` leaves that step out.
     plan = planner.plan
@@ -79,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
           f"(+{plan.estimates.overhead:.0%} compute); re-planned {planner.replans}x")
     for epoch in range(args.epochs):
         print(f"epoch {epoch}: loss {history.history['loss'][epoch]:.3f}, measured peak "
-              f"{history.history['peak_memory_mb'][epoch]:.1f} MiB, predicted "
-              f"{history.history['predicted_peak_mb'][epoch]:.1f} MiB")
+              f"{history.history['peak_memory_mb'][epoch]:.1f} MiB (of it "
+              f"{history.history['held_memory_mb'][epoch]:.1f} held beside the model), "
+              f"predicted {history.history['predicted_peak_mb'][epoch]:.1f} MiB")
     if planner.plan_peak_mb is not None:
         verdict = "within" if planner.plan_peak_mb <= budget else "OVER"
         print(f"final plan, its first step left out: measured peak "

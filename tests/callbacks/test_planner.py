@@ -444,13 +444,43 @@ def test_tf_data_input_with_validation(budget_mb):
     assert "val_loss" in hist.history and "peak_memory_mb" in hist.history
 
 
+def test_the_bytes_held_beside_the_model_are_logged_with_the_peak_they_are_part_of(budget_mb):
+    """A tensor the process keeps on the device while it trains (as NumPy
+    arrays a pipeline copied into the CPU allocator) is in every step's
+    measured peak, and the logs say how much was held so."""
+    x, y = data(2)
+    # Over the budget with the tensor: not re-planned, as that is not tested here.
+    planner = tfremat.Planner(budget_mb, verbose=0, measure=False, log_batches=True,
+                              replan=False)
+    held = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            held.append((logs["held_memory_mb"], logs["peak_memory_mb"]))
+
+    with tf.device("CPU:0"):
+        kept = tf.random.uniform((8, 2**20))  # 32 MiB
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the process holds, and the budget exceeded
+        hist = make_model().fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                                callbacks=[planner, Steps()])
+    assert hist.history["held_memory_mb"] == planner.epoch_held_mb, hist.history
+    assert all(h >= 32 for h in hist.history["held_memory_mb"]), hist.history
+    # Each held figure is part of the peak measured with it, and the model's
+    # own step is on top of it.
+    assert all(32 <= h < peak for h, peak in held), held
+    del kept
+    hist = make_model().fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[planner])
+    assert hist.history["held_memory_mb"][0] < held[-1][0] - 30, (hist.history, held)
+
+
 def test_csv_logger_records_the_peaks(budget_mb, tmp_path):
     x, y = data(2)
     path = tmp_path / "log.csv"
     make_model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
         tfremat.Planner(budget_mb, verbose=0, measure=False), keras.callbacks.CSVLogger(str(path))])
     header = path.read_text().splitlines()[0]
-    assert "peak_memory_mb" in header and "predicted_peak_mb" in header
+    assert {"peak_memory_mb", "held_memory_mb", "predicted_peak_mb"} <= set(header.split(","))
 
 
 def test_mirrored_strategy_on_two_logical_cpus():

@@ -51,19 +51,22 @@ def test_plot_writes_the_timeline_with_the_measured_peaks(fitted):
     assert (tmp / "memory.png").read_bytes()[:8] == PNG_MAGIC
     assert not planner.plan.is_empty
     assert planner.epoch_peaks_mb == history.history["peak_memory_mb"]
+    assert planner.epoch_held_mb == history.history["held_memory_mb"]
 
 
 def test_tensorboard_gets_the_plan_the_timeline_and_the_peaks(fitted):
     tmp, planner, history = fitted
     found = events(tmp / "logs" / "train")
     assert {"tfremat/plan", "tfremat/memory_timeline", "tfremat/peak_memory_mb",
-            "tfremat/predicted_peak_mb"} <= set(found), sorted(found)
+            "tfremat/held_memory_mb", "tfremat/predicted_peak_mb"} <= set(found), sorted(found)
     text = tf.make_ndarray(found["tfremat/plan"][0][1].tensor).item().decode()
     assert f'Plan for "{planner.graph.name}"' in text and "segment 0" in text
     peaks = [(step, tf.make_ndarray(v.tensor).item())
              for step, v in found["tfremat/peak_memory_mb"]]
     assert peaks == [(e, pytest.approx(p, rel=1e-6))
                      for e, p in enumerate(history.history["peak_memory_mb"])]
+    held = [tf.make_ndarray(v.tensor).item() for _, v in found["tfremat/held_memory_mb"]]
+    assert held == [pytest.approx(h, rel=1e-6) for h in history.history["held_memory_mb"]]
     predicted = tf.make_ndarray(found["tfremat/predicted_peak_mb"][-1][1].tensor).item()
     assert predicted == pytest.approx(planner.predicted_peak_mb, rel=1e-6)
     # An image summary holds width, height and the PNG itself.
@@ -102,6 +105,7 @@ def test_without_allocator_statistics_it_trains_with_the_predicted_plan_and_says
     result = run_fresh(NO_STATS_FIT, TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="0")
     assert result["segments"] > 0
     assert "predicted_peak_mb" in result["logs"] and "peak_memory_mb" not in result["logs"]
+    assert "held_memory_mb" not in result["logs"]
     assert result["peaks"] == []
     assert any("keeps no allocator statistics for CPU:0" in w
                and "TF_CPU_ALLOCATOR_USE_BFC=1" in w for w in result["warnings"])

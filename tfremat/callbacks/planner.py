@@ -58,9 +58,13 @@ class Planner(keras.callbacks.Callback):
     At each epoch end it adds `peak_memory_mb` (measured device peak of the
     epoch's training steps: not validation, nor what other callbacks do between
     steps; `GPU:0` when a GPU exists, else
-    `CPU:0`) and `predicted_peak_mb` to `logs`, so History records them, and so
-    do CSVLogger and TensorBoard when the Planner comes before them in
-    `callbacks`. If the measured peak of the
+    `CPU:0`), `held_memory_mb` (what was in use on the device before that step
+    beyond the model's weights, optimizer slots and batch: on a CPU, the NumPy
+    arrays given to `fit` or to `from_tensor_slices` are mostly held there) and
+    `predicted_peak_mb` (the model's step alone, so comparable to
+    `peak_memory_mb` less `held_memory_mb`) to `logs`, so History records
+    them, and so do CSVLogger and TensorBoard when the Planner comes before
+    them in `callbacks`. If the measured peak of the
     first steps exceeds the budget, it plans again with the measured excess taken
     off the budget, measures that plan (and lower ones) the same way before it
     trains with it (at most `max_replans` times), and warns if the budget still
@@ -84,7 +88,7 @@ class Planner(keras.callbacks.Callback):
     `train` run: the plan summary as text (`tfremat/plan`), the memory timeline
     as an image (`tfremat/memory_timeline`) and each epoch's measured and
     predicted peaks as scalars (`tfremat/peak_memory_mb`,
-    `tfremat/predicted_peak_mb`).
+    `tfremat/held_memory_mb`, `tfremat/predicted_peak_mb`).
 
     Under `tf.distribute.MirroredStrategy` the plan is made for one replica's
     share of the batch, and the budget holds for each device.
@@ -107,7 +111,8 @@ class Planner(keras.callbacks.Callback):
             Without Graphviz, a `.dot` file is written instead, with a warning.
         plot: Path of the memory timeline image (`.png`, `.svg`, `.pdf`); needs
             matplotlib only.
-        log_memory: Add `peak_memory_mb` and `predicted_peak_mb` to the logs.
+        log_memory: Add `peak_memory_mb`, `held_memory_mb` and
+            `predicted_peak_mb` to the logs.
         log_batches: Also add them to the logs of every batch.
         replan: Re-plan when the measured peak exceeds the budget.
         max_replans: How many times to re-plan at most.
@@ -144,6 +149,8 @@ class Planner(keras.callbacks.Callback):
         plan: The plan applied (None before the first step).
         graph: The PlanGraph traced at the first step.
         epoch_peaks_mb: Measured device peak of each epoch, MiB.
+        epoch_held_mb: MiB held on the device beside the model before the
+            step of each epoch's peak (`held_memory_mb`).
         predicted_peak_mb: The simulator's peak for `plan`, MiB.
         replans: How often the measurement made it plan again.
         picture: The plan picture written (`export`, or its `.dot` fallback).
@@ -219,6 +226,7 @@ class Planner(keras.callbacks.Callback):
         self.picture: str | None = None
         self.timeline: str | None = None
         self.epoch_peaks_mb: list[float] = []
+        self.epoch_held_mb: list[float] = []
         self.replans = 0
         self.planning_s: dict[int, float] = {}
         self._installation: PlanInstallation | None = None
@@ -229,7 +237,9 @@ class Planner(keras.callbacks.Callback):
         self._warming_up = False  # the step just run is the first of a new plan
         self._epoch = 0
         self._epoch_peak_mb = 0.0  # the largest step peak this epoch
+        self._epoch_held_mb = 0.0  # held beside the model before that step
         self._step_peak_mb = 0.0  # the peak of the last train function run
+        self._step_held_mb = 0.0  # held beside the model before it
         self._sample: Any = None  # one device's share of the first batch, for measuring
         self._lowest_measured: Plan | None = None  # the best effort of a measured BudgetError
         self._settled: str | None = None  # why no re-plan lowers the plan in use
@@ -292,6 +302,7 @@ class Planner(keras.callbacks.Callback):
         peak = self._step_peak_mb
         if self.log_batches and logs is not None:
             logs["peak_memory_mb"] = peak
+            logs["held_memory_mb"] = self._step_held_mb
             logs["predicted_peak_mb"] = self.predicted_peak_mb
         if self._warming_up:
             # The first step after installing a plan traces its train function and
@@ -319,16 +330,18 @@ class Planner(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
-        self._epoch_peak_mb = 0.0
+        self._epoch_peak_mb = self._epoch_held_mb = 0.0
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.plan is None:
             return
         if self._stats:
             self.epoch_peaks_mb.append(self._epoch_peak_mb)
+            self.epoch_held_mb.append(self._epoch_held_mb)
         if self.log_memory and logs is not None:
             if self._stats:
                 logs["peak_memory_mb"] = self.epoch_peaks_mb[-1]
+                logs["held_memory_mb"] = self.epoch_held_mb[-1]
             logs["predicted_peak_mb"] = self.predicted_peak_mb
         if self.plot:
             self._draw_timeline(self.epoch_peaks_mb)
@@ -338,6 +351,7 @@ class Planner(keras.callbacks.Callback):
             with self._summary_writer.as_default(step=epoch):
                 if self._stats:
                     tf.summary.scalar("tfremat/peak_memory_mb", self.epoch_peaks_mb[-1])
+                    tf.summary.scalar("tfremat/held_memory_mb", self.epoch_held_mb[-1])
                 tf.summary.scalar("tfremat/predicted_peak_mb", self.predicted_peak_mb)
                 tf.summary.image("tfremat/memory_timeline", tf.io.decode_png(png)[None])
             self._summary_writer.flush()
@@ -389,9 +403,12 @@ class Planner(keras.callbacks.Callback):
                 # The step's peak alone: not the planning before it, nor what other
                 # callbacks, fit's validation or the user do between steps.
                 tf.config.experimental.reset_memory_stats(self.device)
+                self._step_held_mb = max(0.0, self._beside_model_mb())
                 logs = self._installation.run(iterator)
                 self._step_peak_mb = self._peak_mb()
-                self._epoch_peak_mb = max(self._epoch_peak_mb, self._step_peak_mb)
+                if self._step_peak_mb >= self._epoch_peak_mb:
+                    self._epoch_peak_mb = self._step_peak_mb
+                    self._epoch_held_mb = self._step_held_mb
             if started is not None:
                 # Planning, measuring and the plan's first step (its trace).
                 self._planned_for(time.perf_counter() - started,
@@ -758,9 +775,15 @@ class Planner(keras.callbacks.Callback):
         beside the warning that mattered.)"""
         if not self._stats or not self.device.startswith("CPU") or self.graph is None:
             return None
-        held = (tf.config.experimental.get_memory_info(self.device)["current"] / MIB
-                - self._sharing * self.graph.total_persistent_bytes / MIB)
+        held = self._beside_model_mb()
         return held if held >= max(0.1 * self._sharing * self.budget_mb, 1.0) else None
+
+    def _beside_model_mb(self) -> float:
+        """MiB in use on the device now beyond the persistent bytes (weights,
+        optimizer slots, batch) of the replicas whose steps it holds, as
+        `api.held_bytes` counts a trial's."""
+        return (tf.config.experimental.get_memory_info(self.device)["current"] / MIB
+                - self._sharing * self.graph.total_persistent_bytes / MIB)
 
     def _predicted_floor_mb(self) -> float:
         """The lowest peak the planner predicts for a plan: the minimum it states
