@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import tfremat
 from tfremat import api
+from tfremat.callbacks import planner as planner_module
 from tfremat.core import MIB, BudgetError
 from tfremat.memory import MeasuredPeak
 from tfremat.planners import chen_sqrt, every_unit_segments, make_plan
@@ -217,6 +218,12 @@ def test_the_minimum_stated_rests_on_the_lowest_plan_measured_twice(monkeypatch)
         worst[id(lowest)] * (1 + api.MEASURED_SPREAD))
     assert caught.value.measured_plan is lowest
     assert caught.value.measured and "measured on the device" in str(caught.value)
+    # The plan that sets the minimum is named (a new user could not tell which
+    # of the plans measured it was), with its compute and its two figures.
+    assert (f"{lowest.planner} (" in str(caught.value)
+            and f"+{lowest.estimates.overhead:.1%} compute), predicted "
+                f"{lowest.peak_bytes / MIB:.1f} MiB, measured {worst[id(lowest)] / MIB:.1f}"
+            in str(caught.value)), str(caught.value)
     # One line per measurement, each saying what was predicted and measured.
     lines = str(caught.value).split("measurement(s):\n", 1)[1].splitlines()
     assert len(lines) == len(FakeInstallation.measured)
@@ -443,6 +450,17 @@ def test_the_planner_says_why_a_plan_just_within_the_budget_was_passed_over(
     assert len(measured) == 2 and planner.plan is not measured[0]
     assert ("A plan within the budget by less than 5% is kept only when no plan measures "
             "further below it") in out
+
+
+def test_a_plan_just_within_the_budget_is_explained_only_where_it_cost_less_compute():
+    """A new user read that sentence under a plan measured 21% below the budget,
+    chosen over nothing of less compute."""
+    budget = 100 * MIB
+    near = {"measured_bytes": 99 * MIB, "overhead": 0.30}  # within 5% of the budget
+    far = {"measured_bytes": 79 * MIB, "overhead": 0.10}
+    assert planner_module._without_room([near, far], budget, overhead=0.10) == ""
+    assert "kept only when no plan measures further below it" in planner_module._without_room(
+        [dict(near, overhead=0.05), far], budget, overhead=0.10)
 
 
 def bare_for(graph):

@@ -352,8 +352,9 @@ def _without_updates(made_with: Callable[[bool], Plan],
         made = made_with(False)
     except BudgetError as without:
         raise min(without, with_updates, key=lambda e: e.min_budget_bytes) from None
-    return made, (f"with them this planner's lowest plan is predicted at "
-                  f"{with_updates.min_budget_bytes / MIB:.1f} MiB, over the budget")
+    return made, (f"with updates in the backward pass this planner's lowest plan is "
+                  f"predicted at {with_updates.min_budget_bytes / MIB:.1f} MiB, over the "
+                  "budget")
 
 
 #: How much the same plan's measured peak moves from one measurement to the next
@@ -641,7 +642,8 @@ def _conclude(trials: list[tuple[Plan, int]], held: list[int], budget: int, plan
                   "at this batch size"
                   if not (chosen.segments or chosen.offloaded) else
                   f"the plan that measured lowest (or cost least compute among those "
-                  f"within {MEASURED_SPREAD:.0%} of it)")
+                  f"within {MEASURED_SPREAD:.0%} of it): {_named(chosen)}, predicted "
+                  f"{chosen.peak_bytes / MIB:.1f} MiB, measured {measured / MIB:.1f}")
         error = BudgetError(
             budget, math.ceil(measured * (1 + MEASURED_SPREAD)), planner,
             f"The minimum is {lowest}, {how}. "
@@ -651,6 +653,15 @@ def _conclude(trials: list[tuple[Plan, int]], held: list[int], budget: int, plan
         error.measured_plan = chosen
         raise error
     return chosen
+
+
+def _named(plan: Plan) -> str:
+    """A plan in a few words: its planner, segments, offloads and compute."""
+    parts = [f"{len(plan.segments)} segment(s)"] if plan.segments else []
+    if plan.offloaded:
+        parts.append(f"{len(plan.offloaded)} offload(s)")
+    parts.append(f"+{_overhead(plan):.1%} compute")
+    return f"{plan.planner} ({', '.join(parts)})"
 
 
 def largest_with_room(budget: int) -> float:

@@ -595,7 +595,8 @@ def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_flo
     # Unpinned, as `min_feasible_budget` planned (on one inter-op thread "auto" pins).
     plan = tfremat.plan(model, after / 2**20, graph=graph, planner=planner, pin_order=False)
     assert not plan.update_in_backward and plan.peak_bytes <= after
-    assert f"lowest plan is predicted at {within / 2**20:.1f} MiB" in plan.update_note
+    assert (f"with updates in the backward pass this planner's lowest plan is predicted at "
+            f"{within / 2**20:.1f} MiB" in plan.update_note), plan.update_note
     # Where both miss, the error states the lower minimum, which then plans.
     with pytest.raises(tfremat.BudgetError) as caught:
         tfremat.plan(model, after / 2**20 * 0.9, graph=graph, planner=planner,

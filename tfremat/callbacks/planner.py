@@ -583,7 +583,10 @@ class Planner(keras.callbacks.Callback):
             if self._last is not None and plan is self._last[1]:
                 io_utils.print_msg(
                     "tfremat: the step is the one the last fit with this callback "
-                    "trained; this fit starts with the plan that fit ended with.")
+                    "trained; this fit starts with the plan that fit ended with"
+                    + (" (the measurements above are that fit's)"
+                       if "measured_peak_bytes" in details else "")
+                    + ", without planning or measuring again.")
             # A plan that measured lowest over the budget came with a warning
             # that lists the trials already.
             elif details.get("trials") and plan is not self._lowest_measured:
@@ -596,7 +599,8 @@ class Planner(keras.callbacks.Callback):
                     + (f", the best measured when measuring stopped at its time limit of "
                        f"{details['measure_stopped_s']:g} s (measure_time_limit)."
                        if "measure_stopped_s" in details else ".")
-                    + _without_room(details["trials"], self.budget_mb * MIB))
+                    + _without_room(details["trials"], self.budget_mb * MIB,
+                                    plan.estimates.overhead))
         if self.export:
             try:
                 self.picture = write_picture(plan, self.export, graph=self.graph)
@@ -823,11 +827,14 @@ def _replicas_sharing(strategy: tf.distribute.Strategy, device: str) -> int:
 NEAR_LOWEST = f" (or within {api.MEASURED_SPREAD:.0%} of it at less compute)"
 
 
-def _without_room(trials: list[dict[str, Any]], budget: float) -> str:
-    """Why a trial within the budget may not have been the plan trained, when
-    one measured so (else "")."""
+def _without_room(trials: list[dict[str, Any]], budget: float, overhead: float) -> str:
+    """Why a trial within the budget was not the plan trained, when one of less
+    compute than the plan trained (its `overhead`) measured so (else ""): a new
+    user read this sentence under a plan measured 21% below the budget, where
+    no such trial was passed over for it."""
     room = api.largest_with_room(budget)
-    if not any(room < t["measured_bytes"] <= budget for t in trials):
+    if not any(room < t["measured_bytes"] <= budget and t.get("overhead", 0.0) < overhead
+               for t in trials):
         return ""
     return (f" A plan within the budget by less than {api.MEASURED_SPREAD:.0%} is kept "
             "only when no plan measures further below it: a later step can measure "
