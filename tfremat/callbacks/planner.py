@@ -586,7 +586,7 @@ class Planner(keras.callbacks.Callback):
                     "trained; this fit starts with the plan that fit ended with"
                     + (" (the measurements above are that fit's)"
                        if "measured_peak_bytes" in details else "")
-                    + ", without planning or measuring again.")
+                    + ", without measuring plans again.")
             # A plan that measured lowest over the budget came with a warning
             # that lists the trials already.
             elif details.get("trials") and plan is not self._lowest_measured:
