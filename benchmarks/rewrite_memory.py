@@ -9,7 +9,12 @@ Segments: about sqrt(n) contiguous segments cut where a single tensor is live
   orders the program for concurrency;
 - `xla-memory`: `jit_compile=True` with
   `XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`, XLA's
-  scheduler that orders for memory.
+  scheduler that orders for memory;
+- `xla-units`: what tfremat runs for a model compiled with `jit_compile=True`:
+  the plain step compiled whole by XLA, the rewritten one with each segment
+  compiled by XLA on its own (its forward pass, and its recompute with its
+  gradients) and the step between them run by the executor
+  (`tfremat.rewriter.compilers.units_compiled`).
 
 Each way runs without and with the optimizer's updates inside the backward pass
 (`Plan.update_in_backward`, on the plain model and on the segments alike).
@@ -32,6 +37,7 @@ Prints a markdown table and writes it to benchmarks/results/rewrite_memory.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -44,12 +50,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")  # the repository: its tests' helpers
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from planners import json_from_process, step_seconds  # noqa: E402
+from planners import json_from_process, machine, step_seconds  # noqa: E402
 
 MODELS = ("ResNet50", "DenseNet121")
 WAYS = {"executor": (False, ""),
         "xla": (True, ""),
-        "xla-memory": (True, "--xla_cpu_enable_concurrency_optimized_scheduler=false")}
+        "xla-memory": (True, "--xla_cpu_enable_concurrency_optimized_scheduler=false"),
+        "xla-units": (True, "")}
 MIB = 2**20
 
 
@@ -96,6 +103,19 @@ def xla_temp_bytes(dump: str) -> int | None:
     return max(sizes) if sizes else None
 
 
+def traced_as(way: str) -> Any:
+    """Where the steps of `way` are traced: within `units_compiled()` for
+    `xla-units` (a segment traced there compiles itself with XLA)."""
+    from tfremat.rewriter.compilers import units_compiled
+
+    return units_compiled() if way == "xla-units" else contextlib.nullcontext()
+
+
+def jit_compile(way: str, variant: str) -> bool:
+    """Whether the step of `variant` run `way` is compiled whole by XLA."""
+    return WAYS[way][0] and not (way == "xla-units" and variant == "rewritten")
+
+
 def peak_worker(name: str, way: str, variant: str, updates: bool,
                 args: argparse.Namespace) -> None:
     """One variant's step in this (fresh) process: prints its peak and the
@@ -104,9 +124,10 @@ def peak_worker(name: str, way: str, variant: str, updates: bool,
 
     x, y = batch(args.size, args.batch)
     model, segments = build(name, args.size, variant, updates)
-    step = h.training_step(model, WAYS[way][0])
-    print(json.dumps({"peak": h.step_peak_bytes(step, x, y, repeats=args.repeats),
-                      "segments": segments}))
+    step = h.training_step(model, jit_compile(way, variant))
+    with traced_as(way):
+        peak = h.step_peak_bytes(step, x, y, repeats=args.repeats)
+    print(json.dumps({"peak": peak, "segments": segments}))
 
 
 def time_worker(name: str, way: str, updates: bool, args: argparse.Namespace) -> None:
@@ -116,9 +137,9 @@ def time_worker(name: str, way: str, updates: bool, args: argparse.Namespace) ->
     x, y = batch(args.size, args.batch)
     runs = {}
     for v in ("plain", "rewritten"):
-        step = h.training_step(build(name, args.size, v, updates)[0],
-                               WAYS[way][0])
-        step(x, y).numpy()  # trace and compile
+        step = h.training_step(build(name, args.size, v, updates)[0], jit_compile(way, v))
+        with traced_as(way):
+            step(x, y).numpy()  # trace and compile
         runs[v] = lambda step=step: step(x, y).numpy()
     seconds = step_seconds(runs, args.steps)
     print(json.dumps({"ratio": seconds["rewritten"] / seconds["plain"]}))
@@ -167,12 +188,15 @@ def main() -> None:
                 rows.append(text)
                 print(text, flush=True)
     table = "\n".join([
-        f"Inputs {args.size}x{args.size}, batch {args.batch}, SGD, CPU (2 cores). Peaks: "
+        f"Machine: {machine()}.", "",
+        f"Inputs {args.size}x{args.size}, batch {args.batch}, SGD, CPU. Peaks: "
         f"allocator peak above the memory live before the step, smallest of "
         f"{args.repeats} steps, each variant in a fresh process; in brackets, under "
         "XLA, the step's temporary allocation as XLA's buffer assignment sized it, "
         "which the ratio and the saving use. Saving kept: (plain - rewritten) over "
-        "the executor's with the same updates setting. Step time: median of "
+        "the executor's with the same updates setting; `xla-units` compares the "
+        "rewritten step, its segments compiled by XLA on their own, with the plain "
+        "step compiled whole. Step time: median of "
         f"{args.steps} steps run alternately.", "", *rows, ""])
     print(table)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

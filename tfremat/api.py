@@ -945,7 +945,12 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         A new model sharing `model`'s layers and weights (uncompiled, for
         functional and Sequential models: compile it as you compiled `model`),
         also when the plan is empty (the step already fits; logged): it then
-        recomputes nothing.
+        recomputes nothing. Compiled with `jit_compile=True` (Keras's default
+        with a GPU), XLA compiles the whole step and keeps less of the
+        saving; compiled with `jit_compile=False` and trained within
+        `tfremat.rewriter.units_compiled()`, each recompute segment compiles
+        with XLA on its own and the step between them runs in TensorFlow's
+        executor, as the `Planner` runs a plan under XLA.
 
     Raises:
         BudgetError: planning found no plan within the budget (with
@@ -955,6 +960,9 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
 
     >>> smaller = tfremat.rewrite(model, budget_mb=6000, batch_size=64, measure=True)
     >>> smaller.compile(optimizer="adam", loss="mse"); smaller.fit(x, y)
+    >>> smaller.compile(optimizer="adam", loss="mse", jit_compile=False)
+    >>> with tfremat.rewriter.units_compiled():   # XLA for each segment
+    ...     smaller.fit(x, y)
     """
     objective = deprecated_strategy(strategy, objective)
     if plan_or_none is None:

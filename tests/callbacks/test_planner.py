@@ -655,6 +655,21 @@ def test_offload_plan_turns_xla_off_for_this_fit_only(budget_mb, monkeypatch):
     assert model.jit_compile is True
 
 
+def test_under_xla_the_plans_segments_compile_on_their_own_and_it_says_so(budget_mb, capsys):
+    x, y = data(2)
+    model = make_model(jit_compile=True)
+    planner = tfremat.Planner(budget_mb, measure=False, replan=False)
+    before = model.get_weights()
+    history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[planner])
+    segments = len(planner.plan.segments)
+    assert segments > 0
+    assert (f"under XLA (jit_compile) each of the plan's {segments} recompute segments "
+            "compiles on its own") in capsys.readouterr().out
+    assert model.jit_compile is True
+    assert np.isfinite(history.history["loss"]).all()
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
 class BlocksNet(keras.Model):
     """A subclassed model never called before fit: Keras builds it in the first step."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import keras
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 from tfremat.graph import fingerprint, walk
 from tfremat.core import Plan, Segment
+from tfremat.rewriter.compilers import units_compiled
 
 REL_TOL = 1e-5
 
@@ -93,11 +95,12 @@ def train_grads(model: keras.Model, x, mode: str = "eager"):
                              for o in tf.nest.flatten(out)])
         return tf.nest.flatten(out), tape.gradient(loss, model.trainable_variables)
 
-    if mode == "function":
+    if mode in ("function", "units"):
         step = tf.function(step)
     elif mode == "xla":
         step = tf.function(step, jit_compile=True)
-    outs, grads = step(x)
+    with units_compiled() if mode == "units" else contextlib.nullcontext():
+        outs, grads = step(x)
     return ([o.numpy() for o in outs],
             {id(v): tf.convert_to_tensor(g).numpy()
              for v, g in zip(model.trainable_variables, grads)})
@@ -110,12 +113,14 @@ def rel_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 def assert_same_step(original: keras.Model, rewritten: keras.Model, x,
-                     mode: str = "eager") -> None:
+                     mode: str = "eager", original_mode: str | None = None) -> None:
     """One training-mode step of each model from the same state: gradients
     within REL_TOL, non-trainable state (BatchNorm statistics, SeedGenerator
-    states) after the step bit-identical, forward outputs identical in eager."""
+    states) after the step bit-identical (within REL_TOL where the original
+    runs in another `original_mode`, which compiles it otherwise), forward
+    outputs identical in eager."""
     start = snapshot(original)
-    outs_a, grads_a = train_grads(original, x, mode)
+    outs_a, grads_a = train_grads(original, x, original_mode or mode)
     after_a = snapshot(original)
     restore(original, start)
     outs_b, grads_b = train_grads(rewritten, x, mode)
@@ -125,7 +130,11 @@ def assert_same_step(original: keras.Model, rewritten: keras.Model, x,
     err = rel_error(list(grads_a.values()), [grads_b[k] for k in grads_a])
     assert err <= REL_TOL, f"gradients differ: relative error {err:.3g}"
     for v, p, q in zip(original.variables, after_a, after_b):
-        np.testing.assert_array_equal(p, q, err_msg=f"state {v.path} differs")
+        if original_mode in (None, mode):
+            np.testing.assert_array_equal(p, q, err_msg=f"state {v.path} differs")
+        else:
+            np.testing.assert_allclose(q, p, rtol=REL_TOL, atol=REL_TOL * np.abs(p).max(),
+                                       err_msg=f"state {v.path} differs")
     if mode == "eager":
         for p, q in zip(outs_a, outs_b):
             np.testing.assert_array_equal(p, q)

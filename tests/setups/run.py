@@ -1,12 +1,14 @@
 """Runs one setup of tests/setups in this (fresh) process and writes what happened.
 
     python -m tests.setups.run SETUP plain OUT_DIR
+    python -m tests.setups.run SETUP executor OUT_DIR
     python -m tests.setups.run SETUP planned OUT_DIR BUDGET_MB
 
 Each fit is measured in a process of its own: TensorFlow's allocator statistics
 are process-wide, so another model alive in the process would count in the peak.
 `plain` fits without tfremat and measures the device peak of each epoch with its
-own callback; `planned` fits with `tfremat.Planner(BUDGET_MB)` and, when the
+own callback; `executor` the same with the step run by TensorFlow's executor
+(`jit_compile=False`) whatever the setup compiled; `planned` fits with `tfremat.Planner(BUDGET_MB)` and, when the
 budget cannot be met, fits again at the minimum the BudgetError states; it
 records each epoch's peak and each step's, as the Planner logs them.
 Writes OUT_DIR/SETUP-MODE.json and OUT_DIR/SETUP-MODE.npz (the final weights).
@@ -60,8 +62,10 @@ class StepPeaks(keras.callbacks.Callback):
         self.peaks.append(logs["peak_memory_mb"])
 
 
-def fit(name: str, callbacks: list) -> keras.Model:
+def fit(name: str, callbacks: list, executor: bool = False) -> keras.Model:
     setup = build(name)
+    if executor:
+        setup.model.jit_compile = False
     if setup.deterministic_ops:
         tf.config.experimental.enable_op_determinism()
     setup.model.fit(setup.x, setup.y, epochs=EPOCHS, verbose=0, shuffle=False,
@@ -73,8 +77,8 @@ def main(name: str, mode: str, out_dir: str, budget_mb: float | None = None) -> 
     os.environ["TFREMAT_SETUP_TMP"] = out_dir
     peaks = EpochPeaks()
     result: dict = {"setup": name, "mode": mode}
-    if mode == "plain":
-        model = fit(name, [peaks])
+    if mode in ("plain", "executor"):
+        model = fit(name, [peaks], executor=mode == "executor")
         result["peaks_mb"] = peaks.peaks
     else:
         result["budget_mb"] = budget_mb

@@ -87,5 +87,13 @@ def test_setup_trains_under_budget_like_a_plain_fit(name, threads, tmp_path):
     if "budget_error_min_mb" in planned:
         assert planned["budget_error_min_mb"] > budget, report
     tolerance = 1e-3 if name in ADAM else 1e-6
+    if name == "jit_compile":
+        # The plan's segments compile with XLA on their own and the step
+        # between them runs in TensorFlow's executor, which rounds otherwise
+        # than XLA: held to twice what the plain fit moves by without XLA
+        # (4.2e-6 after two epochs here; the plan's fit moved by 3.7e-6).
+        run(name, "executor", tmp_path, threads)
+        tolerance = max(tolerance, 2 * rel_error(weights(tmp_path, name, "plain"),
+                                                 weights(tmp_path, name, "executor")))
     error = rel_error(weights(tmp_path, name, "plain"), weights(tmp_path, name, "planned"))
     assert error <= tolerance, f"weights differ by {error:.2e}\n{report}"

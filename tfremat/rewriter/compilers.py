@@ -4,9 +4,21 @@ Grappler, the executor's graph optimiser, removes ops it finds redundant (an
 `Identity` round trip, an `IdentityN` whose extra input nothing reads): an op
 marked with `keep` stays. XLA (`jit_compile=True`, Keras's default with a GPU)
 compiles the whole step and ignores both `tf.device` and such marks.
+
+Compiled as one program, a step keeps little of a plan's saving: XLA's CPU
+scheduler holds a new value (or an old copy) of every weight until the end of
+the program, and the max-pool gradient's index arrays from its start
+(docs/how-it-works.md, "XLA"). Within `units_compiled()` a recompute unit
+compiles its forward pass, and its recompute with its gradients, as XLA
+programs of their own, while the step between the units runs in TensorFlow's
+executor, which frees each tensor after its last reader.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -35,3 +47,24 @@ def in_xla() -> bool:
     if tf.executing_eagerly():
         return False
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+_UNITS_COMPILED = contextvars.ContextVar("tfremat_units_compiled", default=False)
+
+
+@contextlib.contextmanager
+def units_compiled() -> Iterator[None]:
+    """Within: recompute units traced outside XLA compile with XLA, each its
+    forward pass and its recompute with its gradients (see the module
+    docstring)."""
+    token = _UNITS_COMPILED.set(True)
+    try:
+        yield
+    finally:
+        _UNITS_COMPILED.reset(token)
+
+
+def compiling_units() -> bool:
+    """Whether a recompute unit traced here compiles itself with XLA: within
+    `units_compiled()`, in a graph that XLA does not compile already."""
+    return _UNITS_COMPILED.get() and not tf.executing_eagerly() and not in_xla()

@@ -48,6 +48,7 @@ from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
 
 from tfremat.core import UnsupportedModelError
+from tfremat.rewriter.compilers import compiling_units
 from tfremat.rewriter.recompute_grad import AfterGrads, keep_grad, recompute_grad
 
 
@@ -284,8 +285,20 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[An
     """
     state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
-    return _unit(fn, inputs, layers, lambda body: recompute_grad(body, after_grads),
+    compiled = compiling_units() and not _makes_masks(inputs, layers)
+    return _unit(fn, inputs, layers,
+                 lambda body: recompute_grad(body, after_grads, compiled=compiled),
                  list(zip(state, snapshots)))
+
+
+def _makes_masks(inputs: Sequence[Any], layers: Sequence[Any]) -> bool:
+    """Whether a unit's outputs may carry Keras masks: an input carries one,
+    or one of its layers makes them (`Embedding(mask_zero=True)`, `Masking`).
+    Such a unit is not compiled on its own (`compilers.units_compiled`): the
+    masks its compiled forward pass made would be tensors of that program."""
+    return (any(get_keras_mask(x) is not None for x in inputs)
+            or any(getattr(sub, "mask_zero", False) or isinstance(sub, keras.layers.Masking)
+                   for layer in layers for sub in layer._flatten_layers(include_self=True)))
 
 
 def keep(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],

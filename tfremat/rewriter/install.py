@@ -20,9 +20,11 @@ from typing import Any, Callable, Iterator
 
 import keras
 
+from tfremat.backend import xla_compiled
 from tfremat.core import Plan, interrupts_deferred
 from tfremat.memory import MeasuredPeak, measure_peak
 from tfremat.rewriter.backward_updates import for_plan
+from tfremat.rewriter.compilers import units_compiled
 from tfremat.rewriter.rewriting import rewrite_model
 from tfremat.rewriter.unwrap import unit_layers
 
@@ -36,6 +38,14 @@ class PlanInstallation:
         jit_compile: Whether the planned step runs under XLA; None keeps the
             model's setting. A plan with host offload needs False (XLA ignores
             device placement). The model's own `jit_compile` is not changed.
+            Under XLA a plan with recompute segments compiles each segment on
+            its own, its forward pass and its recompute with its gradients,
+            and the step between them runs in TensorFlow's executor
+            (`units_compiled`): compiled whole, the step keeps less of the
+            plan's saving (docs/how-it-works.md, "XLA").
+
+    Attributes:
+        units_compiled: Whether the segments compile on their own as above.
 
     Example:
 
@@ -50,7 +60,9 @@ class PlanInstallation:
                  jit_compile: bool | None = None) -> None:
         self.model = model
         self.plan = plan
-        self.jit_compile = jit_compile
+        xla = xla_compiled(model) if jit_compile is None else jit_compile
+        self.units_compiled = bool(xla and plan.segments and not plan.offloaded)
+        self.jit_compile = False if self.units_compiled else jit_compile
         # With updates in the backward pass, the units update with the model's
         # own optimizer, whose `apply` they patch until `restore()`; with a
         # pinned order, they only order the backward pass.
@@ -146,7 +158,7 @@ class PlanInstallation:
         steps = (self._updates.training_step() if self._updates is not None
                  else contextlib.nullcontext())
         try:
-            with steps:
+            with steps, units_compiled() if self.units_compiled else contextlib.nullcontext():
                 yield
         finally:
             with interrupts_deferred():

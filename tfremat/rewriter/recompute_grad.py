@@ -35,8 +35,8 @@ from tfremat.rewriter.compilers import in_xla, keep
 AfterGrads = Callable[[list, list, list], tuple[list, list]]
 
 
-def recompute_grad(f: Callable[..., Any],
-                   after_grads: AfterGrads | None = None) -> Callable[..., Any]:
+def recompute_grad(f: Callable[..., Any], after_grads: AfterGrads | None = None,
+                   compiled: bool = False) -> Callable[..., Any]:
     """Like `tf.recompute_grad(f)`: `f`'s activations are recomputed in backward.
 
     Args:
@@ -44,17 +44,21 @@ def recompute_grad(f: Callable[..., Any],
         after_grads: Called with the input gradients, the variables `f` read
             and their gradients once the recompute's gradients exist; what it
             returns is handed on.
+        compiled: Compile the forward pass, and the recompute with its
+            gradients, each as an XLA program of its own (`after_grads` runs
+            outside them); the step around them runs as it is traced.
 
     Returns:
         A function computing `f` without keeping its intermediate tensors for
         the backward pass, which recomputes them once the gradients of all its
         outputs have arrived.
     """
+    forward = tf.function(f, jit_compile=True, autograph=False) if compiled else f
 
     @tf.custom_gradient
     def inner(*args: Any) -> Any:
         with record.stop_recording():
-            result = f(*args)
+            result = forward(*args)
 
         def grad(*dresult: Any, variables: Any = None) -> Any:
             # Wait for every output's gradient, not only the first: a segment
@@ -64,15 +68,10 @@ def recompute_grad(f: Callable[..., Any],
             dep = tf.minimum(tf.abs(tf.reduce_max(tf.concat(firsts, 0))), 0.0)
             recompute_args = _after(list(args), dep)
             variables = list(variables or [])
-            # A tape, not the graph's gradients: those search the graph from
-            # each variable, and nested segments call them level by level
-            # (ResNet152's `auto` plan traced for more than 7 minutes).
-            with tf.GradientTape() as tape:
-                tape.watch([x for x in recompute_args if x.dtype.is_floating])
-                tape.watch(variables)
-                outputs = f(*_apart(recompute_args))
-            grads = tape_gradients(tape, tf.nest.flatten(outputs), dresult,
-                                   recompute_args + variables)
+            if compiled:
+                grads = _compiled_gradients(f, recompute_args, variables, dresult)
+            else:
+                grads = _recomputed_gradients(f, recompute_args, variables, dresult)
             input_grads, var_grads = grads[:len(args)], grads[len(args):]
             if after_grads is not None:
                 return after_grads(input_grads, variables, var_grads)
@@ -81,6 +80,38 @@ def recompute_grad(f: Callable[..., Any],
         return result, grad
 
     return inner
+
+
+def _recomputed_gradients(f: Callable[..., Any], args: list[Any], variables: list[Any],
+                          dresult: Sequence[Any]) -> list[Any]:
+    """The gradients of `f`'s outputs (each with its incoming gradient in
+    `dresult`) with respect to `args` and `variables`, `f` run again."""
+    # A tape, not the graph's gradients: those search the graph from each
+    # variable, and nested segments call them level by level (ResNet152's
+    # `auto` plan traced for more than 7 minutes).
+    with tf.GradientTape() as tape:
+        tape.watch([x for x in args if x.dtype.is_floating])
+        tape.watch(variables)
+        outputs = f(*_apart(args))
+    return tape_gradients(tape, tf.nest.flatten(outputs), dresult, args + variables)
+
+
+def _compiled_gradients(f: Callable[..., Any], args: list[Any], variables: list[Any],
+                        dresult: Sequence[Any]) -> list[Any]:
+    """`_recomputed_gradients` as one XLA program. The incoming gradients
+    that are None or zeros by construction (`_with_gradients`) stay outside
+    it: passed in, zeros would be differentiated like any gradient."""
+    flowing = [k for k, g in enumerate(dresult)
+               if g is not None and not _known_zeros(g)]
+
+    @tf.function(jit_compile=True, autograph=False)
+    def recomputed(args: list[Any], gradients: list[Any]) -> list[Any]:
+        handed: list[Any] = [None] * len(dresult)
+        for k, g in zip(flowing, gradients):
+            handed[k] = g
+        return _recomputed_gradients(f, args, variables, handed)
+
+    return recomputed(args, [dresult[k] for k in flowing])
 
 
 def _with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[Any, Any]]:
