@@ -8,9 +8,10 @@ Each fit is measured in a process of its own: TensorFlow's allocator statistics
 are process-wide, so another model alive in the process would count in the peak.
 `plain` fits without tfremat and measures the device peak of each epoch with its
 own callback; `executor` the same with the step run by TensorFlow's executor
-(`jit_compile=False`) whatever the setup compiled; `planned` fits with `tfremat.Planner(BUDGET_MB)` and, when the
-budget cannot be met, fits again at the minimum the BudgetError states; it
-records each epoch's peak and each step's, as the Planner logs them.
+(`jit_compile=False`) whatever the setup compiled; `planned` fits with
+`tfremat.Planner(BUDGET_MB)` and, when the budget cannot be met, fits again at the
+minimum the BudgetError states; it records each epoch's peak and each step's, as
+the Planner logs them.
 Writes OUT_DIR/SETUP-MODE.json and OUT_DIR/SETUP-MODE.npz (the final weights).
 """
 

@@ -7,7 +7,10 @@ the budget (or the BudgetError's minimum, planned again, must be met) but for
 the fit's first step, which plans and runs the plan for the first time, and the
 weights after two epochs must equal the plain fit's: global relative error
 <= 1e-6 with SGD, <= 1e-3 with Adam (Adam turns float noise in a ~zero gradient,
-e.g. of a conv bias before BatchNorm, into a learning-rate-sized step).
+e.g. of a conv bias before BatchNorm, into a learning-rate-sized step). Under XLA
+(`jit_compile`) the plan's segments compile on their own and the step between them
+runs without XLA: there the bound is twice what the plain fit moves by without XLA
+(a third process), if that is more.
 Recomputed segments change the order of float operations, so the rewritten step
 is not bit-identical to the plain one; it differs by float rounding.
 
