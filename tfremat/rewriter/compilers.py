@@ -55,8 +55,26 @@ _UNITS_COMPILED = contextvars.ContextVar("tfremat_units_compiled", default=False
 @contextlib.contextmanager
 def units_compiled() -> Iterator[None]:
     """Within: recompute units traced outside XLA compile with XLA, each its
-    forward pass and its recompute with its gradients (see the module
-    docstring)."""
+    forward pass and its recompute with its gradients.
+
+    Compiled as one program (`jit_compile=True`), a rewritten step keeps less of
+    its plan's saving: on CPU, XLA held every weight's new value, or a copy of
+    its old one, to the end of the program (docs/how-it-works.md, "XLA"). Traced within this context, with the step
+    itself not compiled by XLA, each recompute segment is two XLA programs of
+    its own and the step between them runs in TensorFlow's executor, which
+    frees each tensor after its last reader. A segment whose outputs may carry
+    Keras masks is not compiled. The `Planner` (through `PlanInstallation`)
+    runs a plan this way for a model compiled with `jit_compile=True`.
+
+    Example:
+
+    ```python
+    smaller = tfremat.rewrite(model, budget_mb=6000, batch_size=64)
+    smaller.compile(optimizer="adam", loss="mse", jit_compile=False)
+    with tfremat.rewriter.units_compiled():  # where the step is traced
+        smaller.fit(x, y)
+    ```
+    """
     token = _UNITS_COMPILED.set(True)
     try:
         yield
