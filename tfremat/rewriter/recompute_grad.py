@@ -99,10 +99,8 @@ def _recomputed_gradients(f: Callable[..., Any], args: list[Any], variables: lis
 def _compiled_gradients(f: Callable[..., Any], args: list[Any], variables: list[Any],
                         dresult: Sequence[Any]) -> list[Any]:
     """`_recomputed_gradients` as one XLA program. The incoming gradients
-    that are None or zeros by construction (`_with_gradients`) stay outside
-    it: passed in, zeros would be differentiated like any gradient."""
-    flowing = [k for k, g in enumerate(dresult)
-               if g is not None and not _known_zeros(g)]
+    that are None or zeros by construction (`_flows`) stay outside it: passed in, zeros would be differentiated like any gradient."""
+    flowing = [k for k, g in enumerate(dresult) if _flows(g)]
 
     @tf.function(jit_compile=True, autograph=False)
     def recomputed(args: list[Any], gradients: list[Any]) -> list[Any]:
@@ -134,8 +132,13 @@ def _with_gradients(outputs: list[Any], dresult: Sequence[Any]) -> list[tuple[An
         `(output, gradient)` for each output whose gradient is neither None
         nor zeros by construction, in order.
     """
-    return [(y, dy) for y, dy in zip(outputs, dresult)
-            if dy is not None and not _known_zeros(dy)]
+    return [(y, dy) for y, dy in zip(outputs, dresult) if _flows(dy)]
+
+
+def _flows(gradient: Any) -> bool:
+    """Whether a gradient handed to a unit is neither None nor zeros by
+    construction (`_known_zeros`)."""
+    return gradient is not None and not _known_zeros(gradient)
 
 
 def tape_gradients(tape: tf.GradientTape, outputs: list[Any], dresult: Sequence[Any],
