@@ -583,10 +583,11 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(
                     f"tfremat: under XLA (jit_compile) each of the plan's "
                     f"{len(plan.segments)} recompute segments compiles on its own, its "
-                    "forward pass and its recompute with its gradients; the step between "
-                    "them runs in TensorFlow's executor, which frees each tensor after its "
-                    "last reader. Compiled whole, the step keeps less of the plan's saving "
-                    "(docs/how-it-works.md, \"XLA\").")
+                    "forward pass and its recompute with its gradients (but a segment "
+                    "whose outputs carry Keras masks, which runs without XLA); the step "
+                    "between them runs in TensorFlow's executor, which frees each tensor "
+                    "after its last reader. Compiled whole, the step keeps less of the "
+                    "plan's saving (docs/how-it-works.md, \"XLA\").")
             details = plan.estimates.details if plan.estimates else {}
             if self._last is not None and plan is self._last[1]:
                 io_utils.print_msg(
