@@ -179,9 +179,9 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             pass, freeing weight gradients as soon as they are used
             (docs/updates-in-backward.md): `"auto"` (the default: when the
             step does not fit as it is, the optimizer allows it and the model
-            is not compiled by XLA, under which it frees nothing; left after
-            the backward pass when the planner's lowest plan with them misses
-            the budget), True, or False (updates after the backward pass, as
+            is not compiled by XLA, under which they lowered no measured
+            peak; left after the backward pass when the planner's lowest plan
+            with them misses the budget), True, or False (updates after the backward pass, as
             Keras does). With `measure`, `"auto"` decides for each plan
             measured: the plans made for less than `budget_mb` after a step
             predicted to fit measured over it run their updates in the

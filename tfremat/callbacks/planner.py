@@ -579,6 +579,7 @@ class Planner(keras.callbacks.Callback):
             else:
                 io_utils.print_msg(summary(self.graph, plan))
                 io_utils.print_msg(f"Device measured: {self.device}")
+            details = plan.estimates.details if plan.estimates else {}
             if self._installation is not None and self._installation.units_compiled:
                 io_utils.print_msg(
                     f"tfremat: under XLA (jit_compile) each of the plan's "
@@ -587,8 +588,11 @@ class Planner(keras.callbacks.Callback):
                     "whose outputs carry Keras masks, which runs without XLA); the step "
                     "between them runs in TensorFlow's executor, which frees each tensor "
                     "after its last reader. Compiled whole, the step keeps less of the "
-                    "plan's saving (docs/how-it-works.md, \"XLA\").")
-            details = plan.estimates.details if plan.estimates else {}
+                    "plan's saving (docs/how-it-works.md, \"XLA\"). The predicted peaks "
+                    "are of the step without XLA, whose programs the simulator does not "
+                    "model" + ("; the measured ones are of this step." if
+                               "measured_peak_bytes" in details else
+                               " (measure=True measures this step)."))
             if self._last is not None and plan is self._last[1]:
                 io_utils.print_msg(
                     "tfremat: the step is the one the last fit with this callback "

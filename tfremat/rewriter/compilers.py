@@ -59,10 +59,11 @@ def units_compiled() -> Iterator[None]:
 
     Compiled as one program (`jit_compile=True`), a rewritten step keeps less of
     its plan's saving: on CPU, XLA held every weight's new value, or a copy of
-    its old one, to the end of the program (docs/how-it-works.md, "XLA"). Traced within this context, with the step
-    itself not compiled by XLA, each recompute segment is two XLA programs of
-    its own and the step between them runs in TensorFlow's executor, which
-    frees each tensor after its last reader. A segment whose outputs may carry
+    its old one, to the end of the program (docs/how-it-works.md, "XLA").
+    Traced within this context, with the step itself not compiled by XLA, each
+    recompute segment is two XLA programs of its own and the step between them
+    runs in TensorFlow's executor, which frees each tensor after its last
+    reader. A segment whose outputs may carry
     Keras masks is not compiled. The `Planner` (through `PlanInstallation`)
     runs a plan this way for a model compiled with `jit_compile=True`.
 

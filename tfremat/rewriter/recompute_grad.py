@@ -99,7 +99,8 @@ def _recomputed_gradients(f: Callable[..., Any], args: list[Any], variables: lis
 def _compiled_gradients(f: Callable[..., Any], args: list[Any], variables: list[Any],
                         dresult: Sequence[Any]) -> list[Any]:
     """`_recomputed_gradients` as one XLA program. The incoming gradients
-    that are None or zeros by construction (`_flows`) stay outside it: passed in, zeros would be differentiated like any gradient."""
+    that are None or zeros by construction (`_flows`) stay outside it: passed
+    in, zeros would be differentiated like any gradient."""
     flowing = [k for k, g in enumerate(dresult) if _flows(g)]
 
     @tf.function(jit_compile=True, autograph=False)
