@@ -24,7 +24,7 @@ from tfremat.memory import MeasuredPeak, require_measurable_scope
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
 from tfremat.rewriter import (UNIT_CLASSES, PlanInstallation, choose_updates, rewrite_model,
-                              unit_layers, unwrapped)
+                              train_units_compiled_under_xla, unit_layers, unwrapped)
 from tfremat.simulation import simulate
 
 logger = logging.getLogger("tfremat")
@@ -946,11 +946,14 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         functional and Sequential models: compile it as you compiled `model`),
         also when the plan is empty (the step already fits; logged): it then
         recomputes nothing. Compiled with `jit_compile=True` (Keras's default
-        with a GPU), XLA compiles the whole step and keeps less of the
-        saving; compiled with `jit_compile=False` and trained within
-        `tfremat.rewriter.units_compiled()`, each recompute segment compiles
-        with XLA on its own and the step between them runs in TensorFlow's
-        executor, as the `Planner` runs a plan under XLA.
+        with a GPU), it trains as the `Planner` runs a plan under XLA: each
+        recompute segment compiles with XLA on its own and the step between
+        them runs in TensorFlow's executor (compiled whole, XLA keeps less of
+        the saving; docs/how-it-works.md, "XLA"). A plan with host offload
+        needs `jit_compile=False`. Loaded from a `.keras` file, the model
+        compiles its step whole under XLA: compile it with
+        `jit_compile=False` and train it within
+        `tfremat.rewriter.units_compiled()` for the same.
 
     Raises:
         BudgetError: planning found no plan within the budget (with
@@ -960,9 +963,10 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
 
     >>> smaller = tfremat.rewrite(model, budget_mb=6000, batch_size=64, measure=True)
     >>> smaller.compile(optimizer="adam", loss="mse"); smaller.fit(x, y)
-    >>> smaller.compile(optimizer="adam", loss="mse", jit_compile=False)
+    >>> loaded = keras.models.load_model("smaller.keras")
+    >>> loaded.compile(optimizer="adam", loss="mse", jit_compile=False)
     >>> with tfremat.rewriter.units_compiled():   # XLA for each segment
-    ...     smaller.fit(x, y)
+    ...     loaded.fit(x, y)
     """
     objective = deprecated_strategy(strategy, objective)
     if plan_or_none is None:
@@ -979,5 +983,8 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
         # which must not be the user's compiled (maybe trained) model.
         logger.info("The plan is empty (the step already fits): the rewritten model "
                     "recomputes nothing.")
-    return rewrite_model(model, plan_or_none, compute_device=compute_device,
-                         host_device=host_device)
+    rewritten = rewrite_model(model, plan_or_none, compute_device=compute_device,
+                              host_device=host_device)
+    if plan_or_none.segments and not plan_or_none.offloaded:
+        train_units_compiled_under_xla(rewritten)
+    return rewritten

@@ -135,3 +135,56 @@ def test_a_plan_without_segments_or_with_offload_keeps_the_step_as_compiled(monk
     offloading.offloaded = [Offload(f"{ids[0]}:0")]
     installation = PlanInstallation(model, offloading, jit_compile=False)
     assert not installation.units_compiled and installation.jit_compile is False
+
+
+def _keras_function(train_function):
+    """The function Keras made, inside the one `train_units_compiled_under_xla`
+    runs it from."""
+    inner = [c.cell_contents for c in train_function.__closure__
+             if callable(c.cell_contents) and getattr(c.cell_contents, "__closure__", None)]
+    assert len(inner) == 1, inner
+    return inner[0]
+
+
+def test_a_model_made_by_tfremat_rewrite_compiles_its_segments_under_xla_and_trains_as_installed():
+    """`tfremat.rewrite`'s model compiled with `jit_compile=True` (Keras's default
+    with a GPU) trains as the Planner runs the plan: two XLA programs per
+    segment, none around them, and the weights of the installed plan."""
+    import tfremat
+
+    x = h.batch_for(_compiled_cnn(True), batch=4)
+    y = np.random.default_rng(1).standard_normal((4, 5)).astype("float32")
+    weights = []
+    for way in ("rewrite", "installed"):
+        model = _compiled_cnn(True)
+        plan = h.plan_for(model, h.sqrt_segments(model))
+        if way == "rewrite":
+            smaller = tfremat.rewrite(model, plan)
+            smaller.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=True)
+            smaller.fit(x, y, batch_size=2, epochs=2, verbose=0, shuffle=False)
+            assert smaller.jit_compile is True
+            assert _xla_calls(_keras_function(smaller.train_function)) == 2 * len(plan.segments)
+        else:
+            with PlanInstallation(model, plan):
+                model.fit(x, y, batch_size=2, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_rewritten_model_without_xla_or_with_offload_makes_its_step_as_keras_does():
+    import tfremat
+
+    model = _compiled_cnn(False)
+    x = h.batch_for(model, batch=4)
+    y = np.zeros((4, 5), "float32")
+    smaller = tfremat.rewrite(model, h.plan_for(model, h.sqrt_segments(model)))
+    smaller.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
+    smaller.fit(x, y, epochs=1, verbose=0)
+    assert _xla_calls(smaller.train_function) == 0  # Keras's own function
+    ids = h.body_ids(model)
+    offloading = h.plan_for(model, [ids[1:4]])
+    offloading.offloaded = [Offload(f"{ids[0]}:0")]
+    offloaded = tfremat.rewrite(model, offloading, compute_device="/CPU:0",
+                                host_device="/CPU:1")
+    assert "make_train_function" not in vars(offloaded)

@@ -8,7 +8,8 @@ applies the optimizer's update to its own weights (`backward_updates.py`).
 `PlanInstallation` applies a plan to a model's
 own training step, undoably (what the `Planner` callback uses); under XLA it
 traces the step within `units_compiled()`, where each recompute segment compiles
-with XLA on its own and the step between them runs in TensorFlow's executor. `unwrapped`
+with XLA on its own and the step between them runs in TensorFlow's executor, as
+a model `tfremat.rewrite` made does (`train_units_compiled_under_xla`). `unwrapped`
 gives back the model a rewritten model was made from, to plan it again. Importing this
 package registers `RecomputeSegment`, so rewritten models saved to `.keras` load
 with `keras.models.load_model`.
@@ -19,7 +20,8 @@ from tfremat.backend import require_tensorflow
 require_tensorflow()
 
 from tfremat.rewriter.backward_updates import choose_updates, fallback_reason  # noqa: E402
-from tfremat.rewriter.compilers import units_compiled  # noqa: E402
+from tfremat.rewriter.compilers import (train_units_compiled_under_xla,  # noqa: E402
+                                        units_compiled)
 from tfremat.rewriter.install import PlanInstallation  # noqa: E402
 from tfremat.rewriter.rewriting import rewrite_model  # noqa: E402
 from tfremat.rewriter.segment_layer import RecomputeSegment  # noqa: E402
@@ -27,5 +29,5 @@ from tfremat.rewriter.unwrap import UNIT_CLASSES, unit_layers, unwrapped  # noqa
 from tfremat.rewriter.update_layer import UpdateUnit  # noqa: E402
 
 __all__ = ["PlanInstallation", "RecomputeSegment", "UNIT_CLASSES", "UpdateUnit",
-           "choose_updates", "fallback_reason", "rewrite_model", "unit_layers", "units_compiled",
-           "unwrapped"]
+           "choose_updates", "fallback_reason", "rewrite_model",
+           "train_units_compiled_under_xla", "unit_layers", "units_compiled", "unwrapped"]

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
+import keras
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
@@ -87,3 +88,38 @@ def compiling_units() -> bool:
     """Whether a recompute unit traced here compiles itself with XLA: within
     `units_compiled()`, in a graph that XLA does not compile already."""
     return _UNITS_COMPILED.get() and not tf.executing_eagerly() and not in_xla()
+
+
+def train_units_compiled_under_xla(model: keras.Model) -> None:
+    """Makes `model` (a model with recompute segments and no host offload)
+    train as the `Planner` runs a plan under XLA, whenever it is compiled with
+    `jit_compile=True`: its train function is made without XLA and runs within
+    `units_compiled()`, so each segment compiles on its own and the step
+    between the segments runs in TensorFlow's executor. Compiled otherwise, the
+    model trains as Keras makes its step.
+
+    Args:
+        model: A model `tfremat.rewrite` made, compiled or not.
+    """
+    own: Callable[..., Any] = model.make_train_function
+
+    def make_train_function(force: bool = False) -> Any:
+        if model.jit_compile is not True:
+            return own(force)
+        if model.train_function is not None and not force:
+            return model.train_function
+        model.jit_compile = False
+        try:
+            own(force=True)
+        finally:
+            model.jit_compile = True
+        step = model.train_function
+
+        def train_function(iterator: Any) -> Any:
+            with units_compiled():  # where the step is traced, at its first calls
+                return step(iterator)
+
+        model.train_function = train_function
+        return train_function
+
+    model.make_train_function = make_train_function
