@@ -5,6 +5,7 @@ the step and what `tf.distribute` scope is open."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from tfremat.core import BackendError
@@ -122,6 +123,22 @@ def xla_compiled(model: object) -> bool:
     """Whether Keras compiles `model`'s train step with XLA (`jit_compile`,
     which `compile` resolves to True or False; its "auto" is True with a GPU)."""
     return getattr(model, "jit_compile", False) is True
+
+
+#: The attribute of a model whose train step, under `jit_compile=True`, is made
+#: without XLA and traced within a context where parts of it compile with XLA
+#: on their own: a function returning that context
+#: (`tfremat.rewriter.train_units_compiled_under_xla` sets it).
+TRACED_WITHIN = "_tfremat_traced_within"
+
+
+def step_compilation(model: object) -> tuple[bool, contextlib.AbstractContextManager]:
+    """How `model`'s train step compiles: whether XLA compiles it whole, and the
+    context its step is traced in (see `TRACED_WITHIN`)."""
+    traced_within = getattr(model, TRACED_WITHIN, None)
+    if xla_compiled(model) and traced_within is not None:
+        return False, traced_within()
+    return xla_compiled(model), contextlib.nullcontext()
 
 
 def kernels_at_once(device: str) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat.backend import (NO_STATS_HINT, device_name, replicas_in_scope, require_tensorflow,
-                             xla_compiled)
+                             step_compilation)
 from tfremat.core import UnsupportedModelError, interrupts_deferred
 from tfremat.graph import (TRACE_ERRORS, batch_specs, forgetting_custom_gradients,
                            require_built, stand_ins, step_function, target_candidates,
@@ -269,11 +269,13 @@ def measure_peak(model: keras.Model, *, batch_size: int | None = None,
     require_built(model, "measuring")
     x_spec, y_spec = batch_specs(model, batch_size=batch_size, sample=sample)
     candidates = [y_spec] if y_spec is not None else target_candidates(model, x_spec)
-    jit = xla_compiled(model)
+    # As the model's own train step compiles (a model `tfremat.rewrite` made
+    # compiles its segments on their own under XLA).
+    jit, traced_within = step_compilation(model)
     given = _given_batch(sample)
     x = given[0] if given else synthetic_batch(x_spec, 1)
     try:
-        with forgetting_custom_gradients():
+        with forgetting_custom_gradients(), traced_within:
             result = _trace_and_measure(model, x, x_spec, given, candidates, jit, repeats)
     finally:
         gc.collect()  # the measured step's graph and its stand-ins, in reference cycles

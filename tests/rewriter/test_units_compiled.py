@@ -188,3 +188,28 @@ def test_a_rewritten_model_without_xla_or_with_offload_makes_its_step_as_keras_d
     offloaded = tfremat.rewrite(model, offloading, compute_device="/CPU:0",
                                 host_device="/CPU:1")
     assert "make_train_function" not in vars(offloaded)
+
+
+def test_measure_peak_traces_a_rewritten_models_step_as_it_trains(monkeypatch):
+    """`tfremat.measure_peak` of a model `tfremat.rewrite` made, compiled with
+    XLA, measures the step it trains: segments compiled on their own, not the
+    step compiled whole; the original's step stays compiled whole."""
+    import tfremat
+    from tfremat import memory
+    from tfremat.rewriter import compilers
+
+    real = memory._trace_and_measure
+    seen = []
+
+    def spy(model, x, x_spec, given, candidates, jit, repeats):
+        seen.append((jit, compilers._UNITS_COMPILED.get()))
+        return real(model, x, x_spec, given, candidates, jit, repeats)
+
+    monkeypatch.setattr(memory, "_trace_and_measure", spy)
+    model = _compiled_cnn(True)
+    smaller = tfremat.rewrite(model, h.plan_for(model, h.sqrt_segments(model)))
+    smaller.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=True)
+    for measured in (model, smaller):
+        assert tfremat.measure_peak(measured, batch_size=4) > 0
+    assert seen == [(True, False), (False, True)]
+    assert not compilers._UNITS_COMPILED.get()
