@@ -293,7 +293,8 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
                 if not updates or decided is not None:
                     raise
                 # "auto" chose them, yet their own workspace can raise a floor.
-                made, note = _without_updates(made_with, with_updates)
+                made, note = _without_updates(made_with, with_updates,
+                                              None if budget_bytes >= asked else budget_bytes)
             made.update_note = note
             return _unpinned_where_idle(graph, made, budget_bytes) if auto_pin else made
 
@@ -342,19 +343,23 @@ def _unpinned_where_idle(graph: PlanGraph, plan: Plan, budget_bytes: int) -> Pla
     return free
 
 
-def _without_updates(made_with: Callable[[bool], Plan],
-                     with_updates: BudgetError) -> tuple[Plan, str]:
+def _without_updates(made_with: Callable[[bool], Plan], with_updates: BudgetError,
+                     below_budget: int | None) -> tuple[Plan, str]:
     """The plan with updates after the backward pass, when the planner's
-    lowest plan with them in it (`with_updates`) missed the budget: the
-    plan and its `update_note`. When both miss, the error stating the lower
-    minimum is raised, so that planning at that minimum succeeds."""
+    lowest plan with them in it (`with_updates`) missed the bytes it was made
+    for: the budget, or `below_budget` for a plan `measured_choice` makes
+    for less. Returns the plan and its `update_note`. When both miss, the
+    error stating the lower minimum is raised, so that planning at that
+    minimum succeeds."""
     try:
         made = made_with(False)
     except BudgetError as without:
         raise min(without, with_updates, key=lambda e: e.min_budget_bytes) from None
+    missed = ("the budget" if below_budget is None else
+              f"the {below_budget / MIB:.1f} MiB this plan was made for (less than the "
+              "budget: plans for more measured too close to it or over it)")
     return made, (f"with updates in the backward pass this planner's lowest plan is "
-                  f"predicted at {with_updates.min_budget_bytes / MIB:.1f} MiB, over the "
-                  "budget")
+                  f"predicted at {with_updates.min_budget_bytes / MIB:.1f} MiB, over {missed}")
 
 
 #: How much the same plan's measured peak moves from one measurement to the next

@@ -607,6 +607,48 @@ def test_auto_keeps_the_updates_after_the_backward_pass_where_they_raise_the_flo
                         pin_order=False).update_in_backward
 
 
+def test_a_plan_made_for_less_than_the_budget_names_the_bytes_its_updates_missed(
+        monkeypatch):
+    """When the plans for the budget measure over it, plans made for less are
+    measured; where one of them keeps its updates after the backward pass
+    because their floor is over what it was made for, its note says what that
+    was, not "over the budget" (a GPT's summary said "predicted at 89.0 MiB,
+    over the budget" under a budget of 110 MiB)."""
+    import re
+
+    import tfremat
+    from tfremat import api
+    from tfremat.memory import MeasuredPeak
+    from tfremat.planners import min_feasible_budget
+
+    keras.utils.set_random_seed(0)
+    model = small_unet()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    graph = tfremat.extract(model, batch_size=4, measure_kernels=False)
+    graph = dataclasses.replace(graph, metadata={**graph.metadata, "concurrent_ops": True})
+    after = min_feasible_budget(graph, "approx-dp", update_in_backward=False)
+    within = min_feasible_budget(graph, "approx-dp", update_in_backward=True)
+    assert within > after
+
+    class Installation:  # plans with updates in the backward pass measure 30% over
+        def __init__(self, model, plan, **kwargs):
+            self.plan = plan
+
+        def measure_peak(self, **kwargs):
+            factor = 1.3 if self.plan.update_in_backward else 1.0
+            return MeasuredPeak("CPU:0", int(self.plan.peak_bytes * factor), 0)
+
+    monkeypatch.setattr(api, "PlanInstallation", Installation)
+    budget_mb = within * 1.1 / 2**20
+    chosen = tfremat.plan(model, budget_mb, graph=graph, planner="approx-dp",
+                          pin_order=False, measure=True)
+    assert not chosen.update_in_backward
+    made_for = re.search(r"predicted at [\d.]+ MiB, over the ([\d.]+) MiB this plan was "
+                         r"made for \(less than the budget", chosen.update_note)
+    assert made_for, chosen.update_note
+    assert float(made_for.group(1)) < budget_mb
+
+
 def test_auto_runs_the_updates_in_the_backward_pass_where_the_plain_peak_does_not_fall():
     """A language model's plain step peaks at the logits' gradient, before any
     weight gradient exists, so updates in the backward pass do not lower it;
