@@ -179,10 +179,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             pass, freeing weight gradients as soon as they are used
             (docs/updates-in-backward.md): `"auto"` (the default: when the
             step does not fit as it is, the optimizer allows it and the model
-            is not compiled by XLA, under which they lowered no measured
-            peak; left after the backward pass when the planner's lowest plan
-            with them misses the budget), True, or False (updates after the backward pass, as
-            Keras does). With `measure`, `"auto"` decides for each plan
+            is not compiled by XLA, under which they lowered no peak in
+            tfremat's benchmarks; left after the backward pass when the
+            planner's lowest plan with them misses the budget), True, or False
+            (updates after the backward pass, as Keras does). With `measure`, `"auto"` decides for each plan
             measured: the plans made for less than `budget_mb` after a step
             predicted to fit measured over it run their updates in the
             backward pass. Where it cannot be exact (`global_clipnorm`,

@@ -664,14 +664,36 @@ def test_under_xla_the_plans_segments_compile_on_their_own_and_it_says_so(budget
     segments = len(planner.plan.segments)
     assert segments > 0
     out = capsys.readouterr().out
-    assert (f"under XLA (jit_compile) each of the plan's {segments} recompute segments "
-            "compiles on its own") in out
+    assert ("under XLA (jit_compile) each recompute segment of the plan compiles on its "
+            "own") in out
+    assert "draw random numbers" not in out and "Keras masks" not in out  # none here
     # Unmeasured, the only peaks shown are predictions of the step without XLA.
     assert ("The predicted peaks are of the step without XLA, whose programs the simulator "
             "does not model (measure=True measures this step).") in out
     assert model.jit_compile is True
     assert np.isfinite(history.history["loss"]).all()
     assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_under_xla_on_a_cpu_it_says_which_segments_draw_random_numbers(monkeypatch, capsys):
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c0")(inp)
+    x = keras.layers.Dropout(0.2, name="drop")(keras.layers.ReLU(name="r0")(x))
+    x = keras.layers.ReLU(name="r1")(keras.layers.Conv2D(8, 3, padding="same", name="c1")(x))
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(
+        keras.layers.GlobalAveragePooling2D(name="pool")(x)))
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    monkeypatch.setattr(planner_module.api, "plan", lambda model, budget, **kwargs:
+                        tfremat.Plan.from_segments(kwargs["graph"], [["c0", "r0", "drop"],
+                                                                     ["c1", "r1"]]))
+    rng = np.random.default_rng(0)
+    with pytest.warns(RuntimeWarning, match="exceeds the budget"):  # of 1 MiB: any plan
+        model.fit(rng.random((8, 16, 16, 3), dtype=np.float32), np.zeros((8, 2), "float32"),
+                  batch_size=4, verbose=0,
+                  callbacks=[tfremat.Planner(1.0, measure=False, replan=False)])
+    assert ("1 of its 2 segments draws random numbers (dropout), which XLA draws slowly in "
+            "a program of its own on a CPU: it runs without XLA.") in capsys.readouterr().out
 
 
 class BlocksNet(keras.Model):

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import Segment
 from tfremat.rewriter import RecomputeSegment, rewrite_model
+from tfremat.rewriter import exact_recompute
 
 MODELS = {
     "deep_mlp": h.deep_mlp,
@@ -61,14 +62,28 @@ def test_gradients_match_in_graph_mode(name, mode):
 
 @pytest.mark.parametrize("name", ["residual_cnn", "transformer_block", "nested_model",
                                   "rnn_stack", "unet"])
-def test_units_compiled_by_xla_match_the_step_xla_compiles_whole(name):
+def test_units_compiled_by_xla_match_the_step_xla_compiles_whole(name, monkeypatch):
     # One unit over every layer: each random draw (dropout) is made in an XLA
     # program, as in the step XLA compiles whole, and the recompute draws the
-    # forward pass's masks.
+    # forward pass's masks. On a CPU a unit drawing random numbers runs in the
+    # executor (`random_on_cpu`); here it compiles, as where XLA draws them fast.
+    monkeypatch.setattr(exact_recompute, "random_on_cpu", lambda layers: False)
     keras.utils.set_random_seed(2)
     model = MODELS[name]()
     rewritten = rewrite_model(model, h.plan_for(model, _segmentations(model)["everything"]))
     h.assert_same_step(model, rewritten, h.batch_for(model), "units", original_mode="xla")
+
+
+@pytest.mark.parametrize("name", ["residual_cnn", "transformer_block", "nested_model",
+                                  "rnn_stack"])
+def test_units_with_dropout_match_the_step_without_xla_on_a_cpu(name):
+    # There a unit drawing random numbers runs in the executor, as the layers
+    # between the units do: every mask is the executor's, as without XLA.
+    keras.utils.set_random_seed(2)
+    model = MODELS[name]()
+    assert any(getattr(layer, "_seed_generators", None) for layer in model._flatten_layers())
+    rewritten = rewrite_model(model, h.plan_for(model, _segmentations(model)["sqrt"]))
+    h.assert_same_step(model, rewritten, h.batch_for(model), "units", original_mode="function")
 
 
 @pytest.mark.parametrize("segmentation", ["sqrt", "nested"])

@@ -14,8 +14,16 @@ import tensorflow as tf
 
 from tests.rewriter import rewrite_helpers as h
 from tfremat.core import Offload
-from tfremat.rewriter import PlanInstallation, rewrite_model, units_compiled
+from tfremat.rewriter import PlanInstallation, exact_recompute, rewrite_model, units_compiled
 from tfremat.rewriter import install as install_module
+
+
+@pytest.fixture
+def random_units_compile(monkeypatch):
+    """Units drawing random numbers (the test models' dropout) compile on their
+    own, as where XLA draws them fast; on a CPU they run in the executor
+    (`test_a_unit_drawing_random_numbers_runs_without_xla_on_a_cpu`)."""
+    monkeypatch.setattr(exact_recompute, "random_on_cpu", lambda layers: False)
 
 
 def _compiled_calls(model: keras.Model, x, *, within: bool, jit_compile: bool = False) -> int:
@@ -38,7 +46,7 @@ def _compiled_calls(model: keras.Model, x, *, within: bool, jit_compile: bool = 
     return sum(1 for op in calls if op.node_def.attr["_XlaMustCompile"].b)
 
 
-def test_each_segment_compiles_its_forward_pass_and_its_recompute_with_xla():
+def test_each_segment_compiles_its_forward_pass_and_its_recompute_with_xla(random_units_compile):
     model = h.residual_cnn()
     segments = h.sqrt_segments(model)
     rewritten = rewrite_model(model, h.plan_for(model, segments))
@@ -64,7 +72,8 @@ def test_a_unit_whose_outputs_carry_keras_masks_is_not_compiled_on_its_own():
 
 
 @pytest.mark.parametrize("build", ["_cnn", "_transformer"])
-def test_subclassed_models_units_compile_and_match_the_step_without_xla(build):
+def test_subclassed_models_units_compile_and_match_the_step_without_xla(
+        build, random_units_compile):
     from tests.rewriter import test_subclassed as subclassed
 
     keras.utils.set_random_seed(6)
@@ -87,7 +96,8 @@ def _compiled_cnn(jit_compile: bool) -> keras.Model:
 
 
 @pytest.mark.parametrize("jit_compile", [True, False])
-def test_a_plan_installed_under_xla_compiles_its_segments_and_trains(jit_compile):
+def test_a_plan_installed_under_xla_compiles_its_segments_and_trains(
+        jit_compile, random_units_compile):
     model = _compiled_cnn(jit_compile)
     x = h.batch_for(model, batch=4)
     y = np.zeros((4, 5), "float32")
@@ -146,7 +156,8 @@ def _keras_function(train_function):
     return inner[0]
 
 
-def test_a_model_made_by_tfremat_rewrite_compiles_its_segments_under_xla_and_trains_as_installed():
+def test_a_model_made_by_tfremat_rewrite_compiles_its_segments_under_xla_and_trains_as_installed(
+        random_units_compile):
     """`tfremat.rewrite`'s model compiled with `jit_compile=True` (Keras's default
     with a GPU) trains as the Planner runs the plan: two XLA programs per
     segment, none around them, and the weights of the installed plan."""
@@ -213,3 +224,20 @@ def test_measure_peak_traces_a_rewritten_models_step_as_it_trains(monkeypatch):
         assert tfremat.measure_peak(measured, batch_size=4) > 0
     assert seen == [(True, False), (False, True)]
     assert not compilers._UNITS_COMPILED.get()
+
+
+def test_a_unit_drawing_random_numbers_runs_without_xla_on_a_cpu():
+    """XLA's CPU backend drew a dropout mask 40 times slower in a program of its
+    own than the executor does: such a unit stays in the executor there, the
+    others compile on their own."""
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="c0")(inp)
+    x = keras.layers.Dropout(0.2, name="drop")(keras.layers.ReLU(name="r0")(x))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="c1")(x)
+    x = keras.layers.ReLU(name="r1")(x)
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(
+        keras.layers.GlobalAveragePooling2D(name="pool")(x)))
+    x = h.batch_for(model)
+    rewritten = rewrite_model(model, h.plan_for(model, [["c0", "r0", "drop"], ["c1", "r1"]]))
+    assert _compiled_calls(rewritten, x, within=True) == 2  # the second segment only

@@ -21,7 +21,7 @@ from tfremat.graph import built_from_sample, extract
 from tfremat.backend import NO_STATS_HINT, device_name, memory_stats_available, xla_compiled
 from tfremat.planners import progress
 from tfremat.plots import memory_png, plot_memory
-from tfremat.rewriter import PlanInstallation, unwrapped
+from tfremat.rewriter import PlanInstallation, makes_masks, random_on_cpu, unwrapped
 from tfremat.simulation import simulate
 
 
@@ -581,18 +581,7 @@ class Planner(keras.callbacks.Callback):
                 io_utils.print_msg(f"Device measured: {self.device}")
             details = plan.estimates.details if plan.estimates else {}
             if self._installation is not None and self._installation.units_compiled:
-                io_utils.print_msg(
-                    f"tfremat: under XLA (jit_compile) each of the plan's "
-                    f"{len(plan.segments)} recompute segments compiles on its own, its "
-                    "forward pass and its recompute with its gradients (but a segment "
-                    "whose outputs carry Keras masks, which runs without XLA); the step "
-                    "between them runs in TensorFlow's executor, which frees each tensor "
-                    "after its last reader. Compiled whole, the step keeps less of the "
-                    "plan's saving (docs/how-it-works.md, \"XLA\"). The predicted peaks "
-                    "are of the step without XLA, whose programs the simulator does not "
-                    "model" + ("; the measured ones are of this step." if
-                               "measured_peak_bytes" in details else
-                               " (measure=True measures this step)."))
+                io_utils.print_msg(self._units_compiled_line(plan, details))
             if self._last is not None and plan is self._last[1]:
                 io_utils.print_msg(
                     "tfremat: the step is the one the last fit with this callback "
@@ -682,6 +671,30 @@ class Planner(keras.callbacks.Callback):
         return tf.nest.map_structure(share, x), tf.nest.map_structure(share, y)
 
     # -- measuring -----------------------------------------------------------------
+
+    def _units_compiled_line(self, plan: Plan, details: dict) -> str:
+        """What runs with XLA when the plan's segments compile on their own."""
+        by_name = {layer.name: layer for layer in self.model._flatten_layers()}
+        segments = [[by_name[self.graph.node(n).layer] for n in seg.nodes
+                     if self.graph.node(n).layer in by_name] for seg in plan.segments]
+        random = sum(1 for layers in segments if random_on_cpu(layers))
+        text = ("tfremat: under XLA (jit_compile) each recompute segment of the plan "
+                "compiles on its own, its forward pass and its recompute with its "
+                "gradients, and the step between them runs in TensorFlow's executor, "
+                "which frees each tensor after its last reader; compiled whole, the step "
+                "keeps less of the plan's saving (docs/how-it-works.md, \"XLA\").")
+        if random:
+            one = random == 1
+            text += (f" {random} of its {len(plan.segments)} segments "
+                     f"{'draws' if one else 'draw'} random numbers (dropout), which XLA "
+                     "draws slowly in a program of its own on a CPU: "
+                     f"{'it runs' if one else 'they run'} without XLA.")
+        if makes_masks(self.model._flatten_layers()):
+            text += " A segment whose outputs carry Keras masks runs without XLA."
+        return text + (" The predicted peaks are of the step without XLA, whose programs "
+                       "the simulator does not model" +
+                       ("; the measured ones are of this step." if "measured_peak_bytes"
+                        in details else " (measure=True measures this step)."))
 
     def _peak_mb(self) -> float:
         return tf.config.experimental.get_memory_info(self.device)["peak"] / MIB

@@ -47,6 +47,7 @@ from keras.src.backend import (get_keras_mask, get_stateless_scope, in_stateless
 from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
 
+from tfremat.backend import device_name
 from tfremat.core import UnsupportedModelError
 from tfremat.rewriter.compilers import compiling_units
 from tfremat.rewriter.recompute_grad import AfterGrads, keep_grad, recompute_grad
@@ -285,7 +286,8 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[An
     """
     state = state_variables(layers)
     snapshots = [tf.identity(v.value) for v in state]
-    compiled = compiling_units() and not _makes_masks(inputs, layers)
+    compiled = (compiling_units() and not _makes_masks(inputs, layers)
+                and not random_on_cpu(layers))
     return _unit(fn, inputs, layers,
                  lambda body: recompute_grad(body, after_grads, compiled=compiled),
                  list(zip(state, snapshots)))
@@ -293,12 +295,31 @@ def recompute(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[An
 
 def _makes_masks(inputs: Sequence[Any], layers: Sequence[Any]) -> bool:
     """Whether a unit's outputs may carry Keras masks: an input carries one,
-    or one of its layers makes them (`Embedding(mask_zero=True)`, `Masking`).
-    Such a unit is not compiled on its own (`compilers.units_compiled`): the
-    masks its compiled forward pass made would be tensors of that program."""
-    return (any(get_keras_mask(x) is not None for x in inputs)
-            or any(getattr(sub, "mask_zero", False) or isinstance(sub, keras.layers.Masking)
-                   for layer in layers for sub in layer._flatten_layers(include_self=True)))
+    or one of its layers makes them (`makes_masks`). Such a unit is not
+    compiled on its own (`compilers.units_compiled`): the masks its compiled
+    forward pass made would be tensors of that program."""
+    return any(get_keras_mask(x) is not None for x in inputs) or makes_masks(layers)
+
+
+def makes_masks(layers: Sequence[Any]) -> bool:
+    """Whether one of `layers` (or of their sublayers) makes Keras masks
+    (`Embedding(mask_zero=True)`, `Masking`)."""
+    return any(getattr(sub, "mask_zero", False) or isinstance(sub, keras.layers.Masking)
+               for layer in layers for sub in layer._flatten_layers(include_self=True))
+
+
+def random_on_cpu(layers: Sequence[Any]) -> bool:
+    """Whether one of `layers` (or of their sublayers) draws random numbers
+    in training (it owns a Keras `SeedGenerator`: `Dropout`, `GaussianNoise`,
+    random augmentation) and the step runs on a CPU. Such a unit is not
+    compiled on its own (`compilers.units_compiled`): XLA's CPU backend draws
+    them slowly in a program of its own (a dropout mask of 32x32x32x32 floats:
+    300 ms, 7 ms in the executor; a residual CNN with four dropouts in its
+    segments stepped in 2.57 s, 0.32 s compiled whole). A GPU's XLA backend
+    is not known to (not run)."""
+    return device_name().startswith("CPU") and any(
+        getattr(sub, "_seed_generators", None)
+        for layer in layers for sub in layer._flatten_layers(include_self=True))
 
 
 def keep(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
