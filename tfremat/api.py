@@ -182,10 +182,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             is not compiled by XLA, under which they lowered no peak in
             tfremat's benchmarks; left after the backward pass when the
             planner's lowest plan with them misses the budget), True, or False
-            (updates after the backward pass, as Keras does). With `measure`, `"auto"` decides for each plan
-            measured: the plans made for less than `budget_mb` after a step
-            predicted to fit measured over it run their updates in the
-            backward pass. Where it cannot be exact (`global_clipnorm`,
+            (updates after the backward pass, as Keras does). With `measure`,
+            `"auto"` decides for each plan measured: the plans made for less
+            than `budget_mb` after a step predicted to fit measured over it
+            run their updates in the backward pass. Where it cannot be exact (`global_clipnorm`,
             `LossScaleOptimizer`, gradient accumulation, a custom
             `train_step`, a `tf.distribute` strategy) the plan says why in
             `update_note` and updates after the backward pass.
