@@ -678,17 +678,17 @@ class Planner(keras.callbacks.Callback):
         segments = [[by_name[self.graph.node(n).layer] for n in seg.nodes
                      if self.graph.node(n).layer in by_name] for seg in plan.segments]
         random = sum(1 for layers in segments if random_on_cpu(layers))
-        text = ("tfremat: under XLA (jit_compile) each recompute segment of the plan "
-                "compiles on its own, its forward pass and its recompute with its "
-                "gradients, and the step between them runs in TensorFlow's executor, "
-                "which frees each tensor after its last reader; compiled whole, the step "
-                "keeps less of the plan's saving (docs/how-it-works.md, \"XLA\").")
+        text = ("tfremat: under XLA (jit_compile) the step runs in TensorFlow's executor, "
+                "which frees each tensor after its last reader, and each recompute "
+                "segment of the plan compiles on its own, its forward pass and its "
+                "recompute with its gradients; compiled whole, the step keeps less of "
+                "the plan's saving (docs/how-it-works.md, \"XLA\").")
         if random:
             one = random == 1
-            text += (f" {random} of its {len(plan.segments)} segments "
+            text += (f" On a CPU, {random} of its {len(plan.segments)} segments "
                      f"{'draws' if one else 'draw'} random numbers (dropout), which XLA "
-                     "draws slowly in a program of its own on a CPU: "
-                     f"{'it runs' if one else 'they run'} without XLA.")
+                     "draws slowly in a program of its own: "
+                     f"{'it runs' if one else 'they run'} without XLA too.")
         if makes_masks(self.model._flatten_layers()):
             text += " A segment whose outputs carry Keras masks runs without XLA."
         return text + (" The predicted peaks are of the step without XLA, whose programs "
