@@ -185,10 +185,10 @@ def plan(model: keras.Model, budget_mb: float, *, batch_size: int | None = None,
             (updates after the backward pass, as Keras does). With `measure`,
             `"auto"` decides for each plan measured: the plans made for less
             than `budget_mb` after a step predicted to fit measured over it
-            run their updates in the backward pass. Where it cannot be exact (`global_clipnorm`,
-            `LossScaleOptimizer`, gradient accumulation, a custom
-            `train_step`, a `tf.distribute` strategy) the plan says why in
-            `update_note` and updates after the backward pass.
+            run their updates in the backward pass. Where it cannot be exact
+            (`global_clipnorm`, `LossScaleOptimizer`, gradient accumulation, a
+            custom `train_step`, a `tf.distribute` strategy) the plan says why
+            in `update_note` and updates after the backward pass.
         pin_order: Pin the backward pass to the simulator's order
             (`Plan.pin_order`): each layer's weight gradients before the next
             layer's backward, and each weight's update after the kernels

@@ -66,10 +66,10 @@ def units_compiled() -> Iterator[None]:
     Traced within this context, with the step itself not compiled by XLA, each
     recompute segment is two XLA programs of its own and the step between them
     runs in TensorFlow's executor, which frees each tensor after its last
-    reader. A segment whose outputs may carry
-    Keras masks is not compiled, nor on a CPU one that draws random numbers
-    (`exact_recompute.random_on_cpu`). The `Planner` (through `PlanInstallation`)
-    runs a plan this way for a model compiled with `jit_compile=True`.
+    reader. A segment whose outputs may carry Keras masks is not compiled, nor
+    on a CPU one that draws random numbers (`exact_recompute.random_on_cpu`).
+    The `Planner` (through `PlanInstallation`) runs a plan this way for a model
+    compiled with `jit_compile=True`.
 
     Example:
 
