@@ -241,3 +241,14 @@ def test_a_unit_drawing_random_numbers_runs_without_xla_on_a_cpu():
     x = h.batch_for(model)
     rewritten = rewrite_model(model, h.plan_for(model, [["c0", "r0", "drop"], ["c1", "r1"]]))
     assert _compiled_calls(rewritten, x, within=True) == 2  # the second segment only
+
+
+@pytest.mark.parametrize("dropout, compiled", [(0.0, 2), (0.2, 0)])
+def test_an_rnn_draws_random_numbers_only_with_dropout(dropout, compiled):
+    """An RNN cell owns a SeedGenerator whatever its dropout: without dropout
+    its unit compiles on its own like any other."""
+    inp = keras.Input((6, 5))
+    out = keras.layers.Dense(2, name="head")(keras.layers.GRU(4, dropout=dropout, name="gru")(inp))
+    model = keras.Model(inp, out)
+    rewritten = rewrite_model(model, h.plan_for(model, [["gru"]]))
+    assert _compiled_calls(rewritten, h.batch_for(model), within=True) == compiled

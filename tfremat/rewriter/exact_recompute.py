@@ -318,8 +318,21 @@ def random_on_cpu(layers: Sequence[Any]) -> bool:
     segments stepped in 2.57 s, 0.21 s with them in the executor, 0.32 s
     compiled whole). A GPU's XLA backend is not known to (not run)."""
     return device_name().startswith("CPU") and any(
-        getattr(sub, "_seed_generators", None)
+        _draws_random_numbers(sub)
         for layer in layers for sub in layer._flatten_layers(include_self=True))
+
+
+#: Attributes that say how much a layer owning a `SeedGenerator` draws: an RNN
+#: cell has one whatever its dropout, and draws nothing at 0.
+_RANDOM_AMOUNTS = ("rate", "dropout", "recurrent_dropout", "stddev")
+
+
+def _draws_random_numbers(layer: Any) -> bool:
+    if not getattr(layer, "_seed_generators", None):
+        return False
+    amounts = [vars(layer)[a] for a in _RANDOM_AMOUNTS
+               if isinstance(vars(layer).get(a), (int, float))]
+    return not amounts or any(amounts)
 
 
 def keep(fn: Callable[..., Any], inputs: Sequence[Any], layers: Sequence[Any],
