@@ -23,7 +23,8 @@ from tfremat.graph import extract
 from tfremat.memory import MeasuredPeak, require_measurable_scope
 from tfremat.planners import (OBJECTIVES, PLANNERS, chen_sqrt, every_unit_segments, make_plan,
                               progress)
-from tfremat.rewriter import (UNIT_CLASSES, PlanInstallation, choose_updates, rewrite_model,
+from tfremat.rewriter import (UNIT_CLASSES, PlanInstallation, choose_updates,
+                              compiles_segments, rewrite_model,
                               train_units_compiled_under_xla, unit_layers, unwrapped)
 from tfremat.simulation import simulate
 
@@ -990,6 +991,6 @@ def rewrite(model: keras.Model, plan_or_none: Plan | None = None, *,
                     "recomputes nothing.")
     rewritten = rewrite_model(model, plan_or_none, compute_device=compute_device,
                               host_device=host_device)
-    if plan_or_none.segments and not plan_or_none.offloaded:
+    if compiles_segments(plan_or_none):
         train_units_compiled_under_xla(rewritten)
     return rewritten

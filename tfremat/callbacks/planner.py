@@ -675,9 +675,9 @@ class Planner(keras.callbacks.Callback):
     def _units_compiled_line(self, plan: Plan, details: dict) -> str:
         """What runs with XLA when the plan's segments compile on their own."""
         by_name = {layer.name: layer for layer in self.model._flatten_layers()}
-        segments = [[by_name[self.graph.node(n).layer] for n in seg.nodes
-                     if self.graph.node(n).layer in by_name] for seg in plan.segments]
-        random = sum(1 for layers in segments if random_on_cpu(layers))
+        random = sum(1 for seg in plan.segments if random_on_cpu(
+            [by_name[name] for name in {self.graph.node(n).layer for n in seg.nodes}
+             if name in by_name]))
         text = ("tfremat: under XLA (jit_compile) the step runs in TensorFlow's executor, "
                 "which frees each tensor after its last reader, and each recompute "
                 "segment of the plan compiles on its own, its forward pass and its "
@@ -689,7 +689,7 @@ class Planner(keras.callbacks.Callback):
                      f"{'draws' if one else 'draw'} random numbers (dropout), which XLA "
                      "draws slowly in a program of its own: "
                      f"{'it runs' if one else 'they run'} without XLA too.")
-        if makes_masks(self.model._flatten_layers()):
+        if makes_masks([self.model]):
             text += " A segment whose outputs carry Keras masks runs without XLA."
         return text + (" The predicted peaks are of the step without XLA, whose programs "
                        "the simulator does not model" +

@@ -20,8 +20,8 @@ from tfremat.backend import require_tensorflow
 require_tensorflow()
 
 from tfremat.rewriter.backward_updates import choose_updates, fallback_reason  # noqa: E402
-from tfremat.rewriter.compilers import (train_units_compiled_under_xla,  # noqa: E402
-                                        units_compiled)
+from tfremat.rewriter.compilers import (compiles_segments,  # noqa: E402
+                                        train_units_compiled_under_xla, units_compiled)
 from tfremat.rewriter.exact_recompute import makes_masks, random_on_cpu  # noqa: E402
 from tfremat.rewriter.install import PlanInstallation  # noqa: E402
 from tfremat.rewriter.rewriting import rewrite_model  # noqa: E402
@@ -30,5 +30,6 @@ from tfremat.rewriter.unwrap import UNIT_CLASSES, unit_layers, unwrapped  # noqa
 from tfremat.rewriter.update_layer import UpdateUnit  # noqa: E402
 
 __all__ = ["PlanInstallation", "RecomputeSegment", "UNIT_CLASSES", "UpdateUnit",
-           "choose_updates", "fallback_reason", "makes_masks", "random_on_cpu", "rewrite_model",
-           "train_units_compiled_under_xla", "unit_layers", "units_compiled", "unwrapped"]
+           "choose_updates", "compiles_segments", "fallback_reason", "makes_masks",
+           "random_on_cpu", "rewrite_model", "train_units_compiled_under_xla", "unit_layers",
+           "units_compiled", "unwrapped"]

@@ -26,6 +26,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
 
 from tfremat.backend import TRACED_WITHIN
+from tfremat.core import Plan
 
 #: The attribute Grappler's optimisers leave an op alone for.
 KEEP_ATTR = "_grappler_do_not_remove"
@@ -91,6 +92,13 @@ def compiling_units() -> bool:
     """Whether a recompute unit traced here compiles itself with XLA: within
     `units_compiled()`, in a graph that XLA does not compile already."""
     return _UNITS_COMPILED.get() and not tf.executing_eagerly() and not in_xla()
+
+
+def compiles_segments(plan: Plan) -> bool:
+    """Whether `plan`'s step, under XLA, compiles its recompute segments on
+    their own (`units_compiled`): it has segments, and no host offload, whose
+    step runs without XLA."""
+    return bool(plan.segments) and not plan.offloaded
 
 
 def train_units_compiled_under_xla(model: keras.Model) -> None:

@@ -24,7 +24,7 @@ from tfremat.backend import xla_compiled
 from tfremat.core import Plan, interrupts_deferred
 from tfremat.memory import MeasuredPeak, measure_peak
 from tfremat.rewriter.backward_updates import for_plan
-from tfremat.rewriter.compilers import units_compiled
+from tfremat.rewriter.compilers import compiles_segments, units_compiled
 from tfremat.rewriter.rewriting import rewrite_model
 from tfremat.rewriter.unwrap import unit_layers
 
@@ -61,7 +61,7 @@ class PlanInstallation:
         self.model = model
         self.plan = plan
         xla = xla_compiled(model) if jit_compile is None else jit_compile
-        self.units_compiled = bool(xla and plan.segments and not plan.offloaded)
+        self.units_compiled = xla and compiles_segments(plan)
         self.jit_compile = False if self.units_compiled else jit_compile
         # With updates in the backward pass, the units update with the model's
         # own optimizer, whose `apply` they patch until `restore()`; with a
